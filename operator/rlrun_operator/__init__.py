@@ -1,0 +1,3 @@
+"""rlrun operator: the RLRun API (CRD), its validation and rendering, the kopf operator and the `rlrun` CLI."""
+
+__version__ = "0.1.0"

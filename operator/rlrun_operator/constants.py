@@ -1,0 +1,83 @@
+"""Every port, label, annotation, env var and name rlrun uses, in one place.
+
+The renderer writes these into manifests, the runtime roles read them back, the operator and
+`rlrun local` agree on them. Nothing else in the code base spells them out.
+"""
+
+# --- API -----------------------------------------------------------------------------------------
+GROUP = "rlrun.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "RLRun"
+PLURAL = "rlruns"
+
+# --- Ports (container ports; `rlrun local` maps each to a free loopback port) ---------------------
+INFERENCE_PORT = 8000          # vLLM OpenAI server: completions, /metrics and the RL admin endpoints
+ROUTER_PORT = 8000             # vllm-router API
+ROUTER_METRICS_PORT = 29000    # vllm-router Prometheus endpoint
+ORCHESTRATOR_METRICS_PORT = 9090  # orchestrator progress metrics (read by the operator)
+TRAINER_MASTER_PORT = 29500    # torchrun rendezvous (c10d) on trainer pod 0
+NIXL_SIDE_CHANNEL_PORT = 5600  # VLLM_NIXL_SIDE_CHANNEL_PORT: NIXL handshake between prefill and decode
+SERVICE_DISCOVERY_PORT = INFERENCE_PORT  # port vllm-router uses for pods it discovers
+OPERATOR_METRICS_PORT = 8080
+OPERATOR_HEALTH_PORT = 8081
+
+# --- Labels and annotations ---------------------------------------------------------------------
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+APP_NAME = "rlrun"
+MANAGED_BY = "rlrun-operator"
+LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller (Kubernetes >= 1.28)
+
+ANNOTATION_PREFIX = "rlrun.dev"
+ANNOTATION_SPEC_HASH = "rlrun.dev/spec-hash"          # hash of a child's rendered spec, to skip no-op writes
+ANNOTATION_CONFIG_HASH = "rlrun.dev/config-hash"      # on pod templates: rolls pods when the run config changes
+FINALIZER = "rlrun.dev/finalizer"
+
+# Components (values of app.kubernetes.io/component).
+COMPONENT_TRAINER = "trainer"
+COMPONENT_INFERENCE = "inference"
+COMPONENT_PREFILL = "prefill"
+COMPONENT_DECODE = "decode"
+COMPONENT_ROUTER = "router"
+COMPONENT_ORCHESTRATOR = "orchestrator"
+COMPONENT_CONFIG = "config"
+COMPONENT_STORAGE = "storage"
+
+# --- Environment variables read by the runtime roles ---------------------------------------------
+ENV_CONFIG = "RLRUN_CONFIG"                  # path of the RLRun YAML (the ConfigMap's file)
+ENV_STORAGE_DIR = "RLRUN_STORAGE_DIR"        # shared storage: weights, rollouts, checkpoints
+ENV_RUN_NAME = "RLRUN_RUN_NAME"
+ENV_NAMESPACE = "RLRUN_NAMESPACE"
+ENV_INFERENCE_ROLE = "RLRUN_INFERENCE_ROLE"  # prefill | decode | both
+ENV_INFERENCE_PORT = "RLRUN_INFERENCE_PORT"
+ENV_INFERENCE_ENDPOINTS = "RLRUN_INFERENCE_ENDPOINTS"  # comma-separated host:port; a host may resolve to many pods
+ENV_ROUTER_URL = "RLRUN_ROUTER_URL"          # http://host:port the orchestrator sends completions to
+ENV_ROUTER_PORT = "RLRUN_ROUTER_PORT"
+ENV_ROUTER_METRICS_PORT = "RLRUN_ROUTER_METRICS_PORT"
+ENV_PREFILL_URLS = "RLRUN_PREFILL_URLS"      # static prefill URLs for the router (local runs; clusters discover pods)
+ENV_DECODE_URLS = "RLRUN_DECODE_URLS"
+ENV_WORKER_URLS = "RLRUN_WORKER_URLS"        # static worker URLs for the router when not disaggregated (local runs)
+ENV_ROUTER_DISCOVERY = "RLRUN_ROUTER_DISCOVERY"  # "kubernetes" or "static"
+ENV_METRICS_PORT = "RLRUN_METRICS_PORT"      # orchestrator metrics port
+ENV_NIXL_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+ENV_NIXL_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+ENV_POD_IP = "POD_IP"
+ENV_NODE_RANK = "NODE_RANK"
+ENV_MASTER_ADDR = "MASTER_ADDR"
+ENV_MASTER_PORT = "MASTER_PORT"
+ENV_NNODES = "NNODES"
+ENV_NPROC_PER_NODE = "NPROC_PER_NODE"
+ENV_VLLM_DEV_MODE = "VLLM_SERVER_DEV_MODE"
+ENV_VLLM_CPU_KVCACHE_SPACE = "VLLM_CPU_KVCACHE_SPACE"
+
+# --- Files -------------------------------------------------------------------------------------
+CONFIG_MOUNT_DIR = "/etc/rlrun"
+CONFIG_FILE_NAME = "rlrun.yaml"
+CONFIG_PATH = f"{CONFIG_MOUNT_DIR}/{CONFIG_FILE_NAME}"
+
+# --- Names ---------------------------------------------------------------------------------------
+TINY_MODEL_NAME = "rlrun-tiny"  # spec.model.name that makes the runtime build the tiny local model
