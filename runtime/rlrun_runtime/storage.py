@@ -1,0 +1,140 @@
+"""Paths on the run's shared storage and atomic writes to it (see docs/runtime-contract.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+STEP_DIGITS = 6
+_STEP_RE = re.compile(r"^step-(\d+)(?:\.json)?$")
+
+
+def step_name(step: int) -> str:
+    """``step-000012`` for 12: the zero-padded name of a step's file or directory."""
+    return f"step-{step:0{STEP_DIGITS}d}"
+
+
+class RunStorage:
+    """Layout of one run's storage directory.
+
+    Args:
+        root: the directory (``RLRUN_STORAGE_DIR``: the PVC mount in a cluster, the output dir locally).
+    """
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root)
+
+    @property
+    def model_dir(self) -> Path:
+        """Initial HF model (policy version 0) when the runtime builds it (rlrun-tiny)."""
+        return self.root / "model"
+
+    @property
+    def rollouts_dir(self) -> Path:
+        return self.root / "rollouts"
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def orchestrator_state(self) -> Path:
+        return self.root / "orchestrator" / "state.json"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def rollout_samples_file(self) -> Path:
+        return self.root / "rollout-samples.jsonl"
+
+    def rollout_batch(self, step: int) -> Path:
+        """The batch file the trainer consumes at ``step`` (1-based)."""
+        return self.rollouts_dir / f"{step_name(step)}.json"
+
+    def weights(self, version: int) -> Path:
+        """HF directory of policy version ``version`` (>= 1; version 0 is the initial model)."""
+        return self.weights_dir / step_name(version)
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints_dir / step_name(step)
+
+
+def list_steps(directory: Path) -> list[int]:
+    """Sorted step numbers of the final (non-temporary) ``step-N`` entries in ``directory``."""
+    if not directory.is_dir():
+        return []
+    steps = []
+    for entry in directory.iterdir():
+        match = _STEP_RE.match(entry.name)
+        if match:
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see either nothing or the whole file.
+
+    Writes a temporary sibling, fsyncs it and renames it over ``path`` (rename is atomic on POSIX
+    filesystems, including NFS-backed ReadWriteMany volumes for a single client).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    """``atomic_write_text`` of ``data`` as compact JSON."""
+    atomic_write_text(path, json.dumps(data, separators=(",", ":")))
+
+
+@contextlib.contextmanager
+def atomic_directory(path: Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success rename it to ``path`` in one step.
+
+    On error the temporary directory is removed and ``path`` is untouched. An existing ``path`` is
+    replaced (removed first), so a re-published step never leaves a mix of old and new files.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        for child in tmp.iterdir():
+            if child.is_file():
+                with open(child, "rb") as handle:
+                    os.fsync(handle.fileno())
+        if path.exists():
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON line to ``path`` (creating it), flushed and fsynced."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record, separators=(",", ":")) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
