@@ -19,6 +19,7 @@ ORCHESTRATOR_METRICS_PORT = 9090  # orchestrator progress metrics (read by the o
 TRAINER_MASTER_PORT = 29500    # torchrun rendezvous (c10d) on trainer pod 0
 NIXL_SIDE_CHANNEL_PORT = 5600  # VLLM_NIXL_SIDE_CHANNEL_PORT: NIXL handshake between prefill and decode
 SERVICE_DISCOVERY_PORT = INFERENCE_PORT  # port vllm-router uses for pods it discovers
+TRAINER_METRICS_PORT = 9091     # trainer rank 0: Prometheus metrics and liveness
 OPERATOR_METRICS_PORT = 8080
 OPERATOR_HEALTH_PORT = 8081
 
@@ -30,6 +31,7 @@ LABEL_PART_OF = "app.kubernetes.io/part-of"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 APP_NAME = "rlrun"
 MANAGED_BY = "rlrun-operator"
+OPERATOR_APP_NAME = "rlrun-operator"  # app.kubernetes.io/name of the operator's own pods (NetworkPolicy peer)
 LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller (Kubernetes >= 1.28)
 
 ANNOTATION_PREFIX = "rlrun.dev"
@@ -81,3 +83,13 @@ CONFIG_PATH = f"{CONFIG_MOUNT_DIR}/{CONFIG_FILE_NAME}"
 
 # --- Names ---------------------------------------------------------------------------------------
 TINY_MODEL_NAME = "rlrun-tiny"  # spec.model.name that makes the runtime build the tiny local model
+
+# --- Metrics the orchestrator serves (the operator scrapes them into RLRun status) ----------------
+METRIC_STEP = "rlrun_orchestrator_step"                          # last completed trainer step
+METRIC_POLICY_VERSION = "rlrun_orchestrator_policy_version"      # version loaded by every inference server
+METRIC_LAST_REWARD = "rlrun_orchestrator_last_reward"            # mean reward of the last batch
+METRIC_WEIGHT_UPDATE_IN_FLIGHT = "rlrun_orchestrator_weight_update_in_flight"  # 1 while servers are paused
+METRIC_MAX_STEPS = "rlrun_orchestrator_max_steps"
+# vLLM's queue depth, scraped from every inference pod by the autoscaler
+VLLM_METRIC_WAITING = "vllm:num_requests_waiting"
+VLLM_METRIC_RUNNING = "vllm:num_requests_running"
