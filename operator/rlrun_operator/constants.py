@@ -93,3 +93,8 @@ METRIC_MAX_STEPS = "rlrun_orchestrator_max_steps"
 # vLLM's queue depth, scraped from every inference pod by the autoscaler
 VLLM_METRIC_WAITING = "vllm:num_requests_waiting"
 VLLM_METRIC_RUNNING = "vllm:num_requests_running"
+
+# --- Environments -------------------------------------------------------------------------------
+BUILTIN_ENVIRONMENTS = ("reverse-words",)  # spec.environment.name values for type: builtin
+ENV_TRAINER_METRICS_PORT = "RLRUN_TRAINER_METRICS_PORT"  # override of TRAINER_METRICS_PORT (local runs)
+SERVED_MODEL_NAME = "policy"  # vLLM --served-model-name: the name requests use, whatever the weights
