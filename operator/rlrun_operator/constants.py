@@ -98,3 +98,19 @@ VLLM_METRIC_RUNNING = "vllm:num_requests_running"
 BUILTIN_ENVIRONMENTS = ("reverse-words",)  # spec.environment.name values for type: builtin
 ENV_TRAINER_METRICS_PORT = "RLRUN_TRAINER_METRICS_PORT"  # override of TRAINER_METRICS_PORT (local runs)
 SERVED_MODEL_NAME = "policy"  # vLLM --served-model-name: the name requests use, whatever the weights
+
+# --- Pod security (rendered pods run as this non-root user; fsGroup makes the PVC writable) -------
+RUNTIME_UID = 1000
+RUNTIME_GID = 1000
+# VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) rendered for CPU inference pods (gpusPerReplica 0);
+# spec.pod.env may override it.
+CPU_KVCACHE_SPACE_GIB = 1
+
+# --- Child object names (`<metadata.name><suffix>`) and Kubernetes name limits --------------------
+CHILD_SUFFIXES = ("-config", "-storage", "-trainer", "-inference", "-prefill", "-decode", "-router",
+                  "-orchestrator")
+STATEFULSET_SUFFIXES = ("-trainer",)
+DNS_LABEL_MAX_LENGTH = 63  # DNS-1035 label: Service names, label values (Kubernetes API conventions)
+# A StatefulSet's pods carry controller-revision-hash=<name>-<10-char hash>, a label value (<= 63), so its
+# name may have at most 52 characters (kubernetes/kubernetes issue 64023).
+STATEFULSET_NAME_MAX_LENGTH = 52
