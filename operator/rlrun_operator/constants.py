@@ -114,3 +114,7 @@ DNS_LABEL_MAX_LENGTH = 63  # DNS-1035 label: Service names, label values (Kubern
 # A StatefulSet's pods carry controller-revision-hash=<name>-<10-char hash>, a label value (<= 63), so its
 # name may have at most 52 characters (kubernetes/kubernetes issue 64023).
 STATEFULSET_NAME_MAX_LENGTH = 52
+# Values of RLRUN_INFERENCE_ROLE.
+INFERENCE_ROLE_PREFILL = "prefill"  # vLLM kv_producer
+INFERENCE_ROLE_DECODE = "decode"    # vLLM kv_consumer
+INFERENCE_ROLE_BOTH = "both"        # no KV connector (disaggregation off)

@@ -1,0 +1,67 @@
+"""The run's shared storage: the PersistentVolumeClaim rlrun creates, and the volumes every pod mounts (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import constants as c
+from .render_metadata import get_metadata
+
+CONFIG_VOLUME = "config"
+STORAGE_VOLUME = "storage"
+SHM_VOLUME = "dshm"
+
+
+def get_claim_name(rlrun: dict[str, Any], created_name: str) -> str:
+    """The claim every pod mounts: spec.storage.claimName if set, else ``created_name`` (the PVC rlrun creates)."""
+    return rlrun["spec"]["storage"].get("claimName") or created_name
+
+
+def render_pvc(rlrun: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """PersistentVolumeClaim ``name`` (ReadWriteMany, spec.storage.size, storageClassName if set).
+
+    Returns None when spec.storage.claimName names an existing claim (rlrun then creates none). The claim
+    must be ReadWriteMany because the trainer, inference and orchestrator pods, on different nodes, all
+    write to it.
+    """
+    storage = rlrun["spec"]["storage"]
+    if storage.get("claimName"):
+        return None
+    spec: dict[str, Any] = {
+        "accessModes": ["ReadWriteMany"],
+        "resources": {"requests": {"storage": storage["size"]}},
+    }
+    if storage.get("storageClassName"):
+        spec["storageClassName"] = storage["storageClassName"]
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": get_metadata(rlrun, name, c.COMPONENT_STORAGE),
+        "spec": spec,
+    }
+
+
+def get_volumes(config_map_name: str, claim_name: str, shm: bool) -> list[dict[str, Any]]:
+    """Pod volumes: the run-config ConfigMap, the shared claim, and (``shm``) a memory-backed /dev/shm.
+
+    The default /dev/shm of a container is 64 MiB, too small for PyTorch's and vLLM's shared-memory
+    transfers between processes of one pod (torchrun workers, tensor-parallel workers).
+    """
+    volumes: list[dict[str, Any]] = [
+        {"name": CONFIG_VOLUME, "configMap": {"name": config_map_name}},
+        {"name": STORAGE_VOLUME, "persistentVolumeClaim": {"claimName": claim_name}},
+    ]
+    if shm:
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
+    return volumes
+
+
+def get_volume_mounts(rlrun: dict[str, Any], shm: bool) -> list[dict[str, Any]]:
+    """Container mounts: config read-only at CONFIG_MOUNT_DIR, storage at spec.storage.mountPath, /dev/shm."""
+    mounts: list[dict[str, Any]] = [
+        {"name": CONFIG_VOLUME, "mountPath": c.CONFIG_MOUNT_DIR, "readOnly": True},
+        {"name": STORAGE_VOLUME, "mountPath": rlrun["spec"]["storage"]["mountPath"]},
+    ]
+    if shm:
+        mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
+    return mounts
