@@ -1,0 +1,383 @@
+"""Checks of a whole RLRun object: the CRD's schema, the CRD's CEL rules, then semantic checks (pure).
+
+``validate(rlrun)`` runs, on the object after ``spec.apply_defaults``:
+
+1. the CRD's openAPIV3Schema with jsonschema (Draft 4, the dialect OpenAPI v3.0 schemas follow: boolean
+   ``exclusiveMinimum``). Like the API server's strict field validation (``kubectl apply`` default since
+   Kubernetes 1.27), unknown fields are errors, except under ``x-kubernetes-preserve-unknown-fields``.
+2. every CEL rule of the CRD (``x-kubernetes-validations``, see ``rlrun_operator.cel``), the same
+   expressions the API server checks. A rule is skipped on a node whose subtree failed step 1, so a
+   wrong type does not also show up as a confusing rule failure.
+3. semantic checks that a schema cannot express (P:D sizing, autoscaling bounds against the sized pools,
+   trainer parallelism degrees, builtin environment names, the run's name as a prefix of its children's
+   names). They run only when step 1 found nothing, because they read many fields at once and need them
+   well typed; an error whose path a CEL rule already reported is not repeated.
+
+``load_documents(path)`` reads RLRun documents from a YAML file for the CLI. The operator calls
+``validate()`` on every object it sees, so ``validate()`` never raises, whatever dict it is given.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import difflib
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from rlrun_operator import cel, constants, sizing, spec
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """One problem with an RLRun.
+
+    Attributes:
+        path: dotted field path from the object's root, list items as ``[i]``
+            (``spec.algorithm.batchSize``, ``spec.pod.env[0].name``); "" for the object itself.
+        message: what is wrong and how to fix it.
+    """
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class SpecFileError(ValueError):
+    """A spec file cannot be read as RLRun documents; the message names the file and what to change."""
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+def load_documents(path: str | Path) -> list[dict[str, Any]]:
+    """Read every YAML document of ``path`` and check that each one is an RLRun mapping.
+
+    Empty documents (a trailing ``---``) are ignored. Returns at least one dict.
+
+    Raises:
+        SpecFileError: the file is missing or unreadable, not UTF-8, not YAML, holds no document, or a
+            document is not a mapping with ``apiVersion: rlrun.dev/v1alpha1`` and ``kind: RLRun``.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecFileError(f"{path}: no such file; pass the path of an RLRun YAML file") from None
+    except IsADirectoryError:
+        raise SpecFileError(f"{path}: is a directory; pass the path of an RLRun YAML file") from None
+    except UnicodeDecodeError:
+        raise SpecFileError(f"{path}: is not UTF-8 text; an RLRun file is YAML text") from None
+    except OSError as exc:
+        raise SpecFileError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecFileError(f"{path}: is not valid YAML{where} ({problem}); fix the syntax") from None
+    if not docs:
+        raise SpecFileError(
+            f"{path}: holds no YAML document; write an RLRun (see examples/rlrun-minimal.yaml)")
+    for i, doc in enumerate(docs):
+        where = f"{path}" if len(docs) == 1 else f"{path} (document {i + 1})"
+        if not isinstance(doc, dict):
+            raise SpecFileError(
+                f"{where}: is a YAML {type(doc).__name__}, not a mapping; an RLRun is a mapping with "
+                f"apiVersion: {constants.API_VERSION}, kind: {constants.KIND}, metadata and spec")
+        if doc.get("apiVersion") != constants.API_VERSION or doc.get("kind") != constants.KIND:
+            raise SpecFileError(
+                f"{where}: is apiVersion {doc.get('apiVersion')!r} kind {doc.get('kind')!r}, not an RLRun; "
+                f"set apiVersion: {constants.API_VERSION} and kind: {constants.KIND}")
+    return docs
+
+
+# --- 1. schema -----------------------------------------------------------------------------------
+
+def to_jsonschema(node: Any) -> Any:
+    """Translate a Kubernetes structural schema (OpenAPI v3.0 subset) into a Draft 4 JSON Schema.
+
+    - objects with ``properties`` and neither ``additionalProperties`` nor
+      ``x-kubernetes-preserve-unknown-fields`` get ``additionalProperties: false`` (the API server prunes
+      or, with strict field validation, rejects unknown fields);
+    - ``nullable: true`` adds ``"null"`` to the type;
+    - ``x-kubernetes-*`` keys and ``default`` are dropped (defaults are applied beforehand);
+    - boolean ``exclusiveMinimum``/``exclusiveMaximum`` and ``format`` are Draft 4 already.
+    """
+    if isinstance(node, list):
+        return [to_jsonschema(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: to_jsonschema(v) for k, v in node.items()
+           if not k.startswith("x-kubernetes-") and k not in {"default", "nullable", "example"}}
+    if "properties" in node:
+        out["properties"] = {k: to_jsonschema(v) for k, v in node["properties"].items()}
+    if node.get("type") == "object" and "properties" in node and "additionalProperties" not in node \
+            and not node.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    if node.get("nullable") and "type" in node:
+        out["type"] = [node["type"], "null"]
+    return out
+
+
+_FORMATS = jsonschema.FormatChecker(formats=())
+
+
+@_FORMATS.checks("date-time", raises=ValueError)
+def _is_date_time(value: Any) -> bool:
+    """RFC 3339 date-time, as Kubernetes' ``format: date-time`` (e.g. ``2026-01-02T03:04:05Z``)."""
+    if not isinstance(value, str) or "T" not in value.upper():
+        return False
+    datetime.datetime.fromisoformat(value.replace("z", "Z"))
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _validator() -> jsonschema.Draft4Validator:
+    return jsonschema.Draft4Validator(to_jsonschema(spec.crd_schema()), format_checker=_FORMATS)
+
+
+def _path(parts: Any) -> str:
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _schema_error(err: jsonschema.ValidationError) -> FieldError:
+    path = _path(err.absolute_path)
+    sub = err.schema if isinstance(err.schema, dict) else {}
+    kind, arg, got = err.validator, err.validator_value, err.instance
+    if kind == "required":
+        missing = next((k for k in arg if not isinstance(got, dict) or k not in got), str(arg))
+        desc = (sub.get("properties", {}).get(missing, {}) or {}).get("description", "")
+        hint = f" ({desc.rstrip('.')})" if desc else ""
+        return FieldError(_join(path, missing), f"is required; add it{hint}")
+    if kind == "additionalProperties":
+        known = sorted(sub.get("properties", {}))
+        unknown = sorted(k for k in got if k not in known) if isinstance(got, dict) else []
+        name = unknown[0] if unknown else "?"
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        fix = f"did you mean {close[0]!r}?" if close else f"remove it; known fields: {', '.join(known)}"
+        return FieldError(_join(path, name), f"unknown field; {fix}")
+    if kind == "type":
+        want = arg if isinstance(arg, str) else " or ".join(arg)
+        article = "an" if want[0] in "aeiou" else "a"
+        return FieldError(path, f"must be {article} {want}, not {_describe(got)}; write {article} {want}")
+    if kind == "enum":
+        return FieldError(path, f"{_describe(got)} is not allowed; use one of: {', '.join(map(str, arg))}")
+    if kind in {"minimum", "maximum"}:
+        low = kind == "minimum"
+        exclusive = sub.get("exclusiveMinimum" if low else "exclusiveMaximum") is True
+        op, fix = {(True, False): (">=", "at least"), (True, True): (">", "above"),
+                   (False, False): ("<=", "at most"), (False, True): ("<", "below")}[(low, exclusive)]
+        return FieldError(path, f"must be {op} {arg}, not {_describe(got)}; set it {fix} {arg}")
+    if kind == "minLength":
+        return FieldError(path, f"must have at least {arg} character(s); set a non-empty value")
+    if kind == "maxLength":
+        return FieldError(path, f"must have at most {arg} characters; shorten it")
+    if kind == "minItems":
+        return FieldError(path, f"must have at least {arg} item(s); add items")
+    if kind == "maxItems":
+        return FieldError(path, f"must have at most {arg} items; remove some")
+    if kind == "pattern":
+        desc = sub.get("description", "")
+        hint = f" ({desc.strip().rstrip('.')})" if desc else ""
+        return FieldError(path, f"{_describe(got)} does not match {arg}; write a value of that form{hint}")
+    if kind == "format":
+        return FieldError(path, f"{_describe(got)} is not a {arg}; write e.g. 2026-01-02T03:04:05Z")
+    return FieldError(path, f"{err.message}; fix the value to satisfy the schema ({kind}: {_describe(arg)})")
+
+
+def check_schema(rlrun: dict[str, Any]) -> list[FieldError]:
+    """Errors of ``rlrun`` (already defaulted) against the CRD's openAPIV3Schema, sorted by path."""
+    errors = [_schema_error(e) for e in _validator().iter_errors(rlrun)]
+    return sorted(set(errors), key=lambda e: (e.path, e.message))
+
+
+# --- 2. CEL --------------------------------------------------------------------------------------
+
+def check_cel(rlrun: dict[str, Any], skip_paths: frozenset[str] = frozenset()) -> list[FieldError]:
+    """Errors from the CRD's CEL rules on ``rlrun`` (already defaulted); see ``rlrun_operator.cel``.
+
+    ``skip_paths``: paths of schema errors; rules are not evaluated on the nodes above them.
+    """
+    try:
+        violations = cel.evaluate_rules(rlrun, spec.crd_schema(), skip_paths)
+    except cel.CELRuleError as exc:  # a bug in the CRD, not in the object: report it, never raise
+        return [FieldError("", f"the CRD's CEL rules cannot be evaluated: {exc}; this is a bug in rlrun")]
+    return [FieldError(v.path, v.message) for v in violations]
+
+
+# --- 3. semantic checks --------------------------------------------------------------------------
+
+# metadata.name: a DNS-1035 label (Kubernetes API conventions: Service names must be DNS-1035 labels).
+DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+PYTHON_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def max_name_length() -> int:
+    """Longest metadata.name whose every child name stays within Kubernetes' limits.
+
+    Children are named ``<name><suffix>`` (constants.CHILD_SUFFIXES); each must be a DNS-1035 label
+    (<= 63 characters), and a StatefulSet's name at most 52 (constants.STATEFULSET_NAME_MAX_LENGTH).
+    """
+    limits = [constants.DNS_LABEL_MAX_LENGTH - len(s) for s in constants.CHILD_SUFFIXES]
+    limits += [constants.STATEFULSET_NAME_MAX_LENGTH - len(s) for s in constants.STATEFULSET_SUFFIXES]
+    return min(limits)
+
+
+def check_name(metadata: Any) -> list[FieldError]:
+    """metadata.name is set, a DNS-1035 label, and short enough for every child name."""
+    if not isinstance(metadata, dict) or not metadata.get("name"):
+        return [FieldError("metadata.name", "is required; name the run, e.g. metadata.name: my-run")]
+    name = metadata["name"]
+    out = []
+    if not isinstance(name, str) or not DNS_1035_LABEL.match(name):
+        out.append(FieldError("metadata.name", f"{_describe(name)} is not a DNS-1035 label; use lower-case "
+                                               "letters, digits and '-', starting with a letter and ending "
+                                               "with a letter or digit, e.g. my-run"))
+    elif len(name) > max_name_length():
+        longest = max(constants.CHILD_SUFFIXES, key=len)
+        out.append(FieldError("metadata.name", f"has {len(name)} characters; child names such as "
+                                               f"'{name}{longest}' would exceed Kubernetes' name limits; "
+                                               f"shorten it to at most {max_name_length()} characters"))
+    namespace = metadata.get("namespace")
+    if namespace is not None and (not isinstance(namespace, str) or not DNS_1123_LABEL.match(namespace)
+                                  or len(namespace) > constants.DNS_LABEL_MAX_LENGTH):
+        out.append(FieldError("metadata.namespace", f"{_describe(namespace)} is not a DNS-1123 label; use "
+                                                    "lower-case letters, digits and '-', at most 63 characters"))
+    return out
+
+
+def check_pools(run_spec: dict[str, Any]) -> list[FieldError]:
+    """P:D sizing when disaggregated (sizing.size_pd), and the sized pools inside the autoscaling bounds."""
+    inference = run_spec["inference"]
+    disagg = inference["disaggregation"]
+    if not disagg["enabled"]:
+        return []
+    try:
+        size = sizing.size_pd(disagg["ratio"], disagg["replicas"])
+    except sizing.SizingError as exc:
+        path, _, message = str(exc).partition(": ")
+        return [FieldError(path, message)]
+    autoscaling = run_spec["autoscaling"]
+    if not autoscaling["enabled"]:
+        return []
+    out = []
+    for role, count in (("prefill", size.prefill), ("decode", size.decode)):
+        bounds = autoscaling[role]
+        where = (f"inference.disaggregation ratio {disagg['ratio']} with {disagg['replicas']} replicas "
+                 f"starts {count} {role} replica(s)")
+        if count < bounds["min"]:
+            out.append(FieldError(f"spec.autoscaling.{role}.min", f"is {bounds['min']} but {where}; lower "
+                                  f"autoscaling.{role}.min to {count} or change the ratio or replicas"))
+        if count > bounds["max"]:
+            out.append(FieldError(f"spec.autoscaling.{role}.max", f"is {bounds['max']} but {where}; raise "
+                                  f"autoscaling.{role}.max to {count} or change the ratio or replicas"))
+    return out
+
+
+def check_parallelism(trainer: dict[str, Any]) -> list[FieldError]:
+    """The trainer's parallelism degrees fit its world size nodes x gpusPerNode (GPU trainers only).
+
+    Rule (torchtitan ``ParallelDims._validate``, with tp = pp = 1 and etp = tp): dp_replicate x dp_shard x
+    cp == world size, where dp_shard = fsdp, or world / cp when fsdp is -1 (dp_replicate = 1); expert
+    parallelism borrows ranks from dp_shard x cp, so ep % cp == 0 and (dp_shard x cp) % ep == 0.
+    """
+    gpus = trainer["gpusPerNode"]
+    if gpus == 0:
+        return []
+    world = trainer["nodes"] * gpus
+    par = trainer["parallelism"]
+    fsdp, ep, cp = par["fsdp"], par["ep"], par["cp"]
+    base = "spec.trainer.parallelism"
+    where = f"the trainer has {world} GPU rank(s) (nodes {trainer['nodes']} x gpusPerNode {gpus})"
+    if fsdp == 0:
+        return [FieldError(f"{base}.fsdp", "is 0; set it to -1 (shard over every rank) or a positive degree")]
+    if world % cp:
+        return [FieldError(f"{base}.cp", f"{cp} does not divide {world}: {where}; pick a divisor of {world}")]
+    if fsdp != -1 and world % (fsdp * cp):
+        return [FieldError(f"{base}.fsdp", f"fsdp x cp = {fsdp * cp} does not divide {world}: {where}; pick "
+                                           f"fsdp so that fsdp x cp divides {world}, or -1 for every rank")]
+    shard = world // cp if fsdp == -1 else fsdp
+    if ep > 1 and (ep % cp or (shard * cp) % ep):
+        return [FieldError(f"{base}.ep", f"ep {ep} must be a multiple of cp ({cp}) and divide fsdp x cp "
+                                         f"({shard * cp}): {where}; pick such an ep, or 1")]
+    return []
+
+
+def check_environment(environment: dict[str, Any]) -> list[FieldError]:
+    """Builtin task names are known (constants.BUILTIN_ENVIRONMENTS); python names are import paths."""
+    kind, name = environment["type"], environment["name"]
+    if kind == "builtin" and name not in constants.BUILTIN_ENVIRONMENTS:
+        close = difflib.get_close_matches(name, constants.BUILTIN_ENVIRONMENTS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return [FieldError("spec.environment.name", f"{_describe(name)} is not a builtin task; {hint}use one "
+                                                    f"of: {', '.join(constants.BUILTIN_ENVIRONMENTS)}")]
+    if kind == "python" and not PYTHON_IMPORT_PATH.match(name):
+        return [FieldError("spec.environment.name", f"{_describe(name)} is not an import path; write "
+                                                    "'package.module:attribute'")]
+    return []
+
+
+def check_semantics(rlrun: dict[str, Any]) -> list[FieldError]:
+    """Semantic checks of a defaulted, schema-valid RLRun (see the module docstring)."""
+    run_spec = rlrun["spec"]
+    return [*check_name(rlrun.get("metadata")), *check_environment(run_spec["environment"]),
+            *check_parallelism(run_spec["trainer"]), *check_pools(run_spec)]
+
+
+# --- all together --------------------------------------------------------------------------------
+
+def validate(rlrun: Any) -> list[FieldError]:
+    """All problems of a whole RLRun object (apiVersion, kind, metadata, spec); [] when it is valid.
+
+    Runs the schema, the CEL rules and the semantic checks on ``spec.apply_defaults(rlrun)`` (see the
+    module docstring for the order and what is skipped after schema errors). Never raises.
+    """
+    try:
+        return _validate(rlrun)
+    except Exception as exc:  # the operator must never crash on a stored object
+        return [FieldError("", f"cannot be validated ({type(exc).__name__}: {exc}); this is a bug in rlrun, "
+                               "please report it with the object")]
+
+
+def _validate(rlrun: Any) -> list[FieldError]:
+    if not isinstance(rlrun, dict):
+        return [FieldError("", f"an RLRun is a mapping, not {type(rlrun).__name__}; write apiVersion, kind, "
+                               "metadata and spec")]
+    out = []
+    if rlrun.get("apiVersion") != constants.API_VERSION:
+        out.append(FieldError("apiVersion", f"{_describe(rlrun.get('apiVersion'))} is not served; set "
+                                            f"apiVersion: {constants.API_VERSION}"))
+    if rlrun.get("kind") != constants.KIND:
+        out.append(FieldError("kind", f"{_describe(rlrun.get('kind'))} is not an RLRun; set kind: "
+                                      f"{constants.KIND}"))
+    defaulted = spec.apply_defaults(copy.deepcopy(rlrun))
+    schema_errors = check_schema(defaulted)
+    out += schema_errors
+    cel_errors = check_cel(defaulted, frozenset(e.path for e in schema_errors))
+    out += cel_errors
+    if not schema_errors:
+        reported = {e.path for e in cel_errors}
+        out += [e for e in check_semantics(defaulted) if e.path not in reported]
+    return out
