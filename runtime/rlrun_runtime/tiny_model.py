@@ -1,0 +1,268 @@
+"""The tiny local model of the embedded default (``spec.model.name: rlrun-tiny``); no download.
+
+A Qwen3-architecture causal LM (transformers ``Qwen3Config``/``Qwen3ForCausalLM``) with random weights from
+a seed, a byte-level BPE tokenizer trained with ``tokenizers`` on reverse-words text (every task word
+becomes one token), and a short supervised warm-up on reverse-words so that RL starts with a signal but
+with headroom (mean sampled reward well below 1 at temperature 1). The result is an HF directory
+(config.json, model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json) that both
+vLLM (CPU) and transformers load.
+
+Sizes: hidden 128, 2 layers, 2 attention heads of 64 and 1 KV head, because vLLM's CPU attention needs
+head_dim >= 64 (measured, see the field notes).
+
+Builds are cached under ``$XDG_CACHE_HOME/rlrun`` (or ``~/.cache/rlrun``), keyed by ``MODEL_VERSION`` and
+the seed, and copied from there, so only the first build on a machine pays the ~30 s.
+
+``rlrun-runtime make-tiny-model OUT [--seed N]`` builds one into OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+from rlrun_operator import constants
+
+from .environments.builtin import WORDS, ReverseWords, render_answer, render_prompt
+from .storage import RunStorage, atomic_directory
+
+# Bump whenever anything below changes the built files: the cache key includes it.
+MODEL_VERSION = "1"
+
+EOS_TOKEN = "<|endoftext|>"
+VOCAB_SIZE = 512           # tokenizer vocabulary upper bound and the embedding size
+HIDDEN_SIZE = 128
+INTERMEDIATE_SIZE = 384
+NUM_LAYERS = 2
+NUM_HEADS = 2
+NUM_KV_HEADS = 1
+HEAD_DIM = 64              # vLLM CPU attention needs >= 64
+MAX_POSITIONS = 256
+
+# Supervised warm-up on reverse-words (teacher forcing on the answer tokens only).
+WARMUP_STEPS = 60
+WARMUP_BATCH = 32
+WARMUP_LR = 3e-3
+WARMUP_TASK_SEED = 10_000  # the warm-up's prompts come from their own stream, not a run's seed 0..N
+
+# A minimal chat template so that chat prompts (reasoning-gym, verifiers) also render for the tiny model.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/rlrun`` if XDG_CACHE_HOME is set, else ``~/.cache/rlrun``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "rlrun"
+
+
+def cache_key(seed: int) -> str:
+    """Name of the cache entry of a build: ``tiny-v<MODEL_VERSION>-seed<seed>``."""
+    return f"tiny-v{MODEL_VERSION}-seed{seed}"
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``fcntl.flock`` on ``path`` (created if absent) for the ``with`` block.
+
+    Blocks until the lock is free; several processes (roles starting at once) serialise on it.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def get_tokenizer_corpus(count: int = 2000) -> list[str]:
+    """Reverse-words text (prompt + answer) over the whole word list, for training the tokenizer."""
+    env = ReverseWords(seed=WARMUP_TASK_SEED, min_words=1, max_words=8, vocab_size=len(WORDS))
+    texts = [" ".join(WORDS), render_prompt(list(WORDS)) + render_answer(list(WORDS))]
+    for index in range(count):
+        words = env.words(index)
+        texts.append(render_prompt(words) + render_answer(words))
+    return texts
+
+
+def train_tokenizer(corpus: list[str]) -> Any:
+    """A byte-level BPE ``PreTrainedTokenizerFast`` trained on ``corpus`` (vocabulary <= VOCAB_SIZE).
+
+    Byte-level (GPT-2 style) so any text encodes; the merges learned from the task text make each task
+    word (with its leading space) a single token. ``<|endoftext|>`` is BOS, EOS and padding.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=[EOS_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+        model_max_length=MAX_POSITIONS)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def get_model_config(eos_id: int) -> Any:
+    """The ``Qwen3Config`` of the tiny model (float32 weights, tied embeddings)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, intermediate_size=INTERMEDIATE_SIZE,
+        num_hidden_layers=NUM_LAYERS, num_attention_heads=NUM_HEADS, num_key_value_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, dtype="float32")
+
+
+def get_warmup_batch(tokenizer: Any, env: ReverseWords, start: int, size: int) -> tuple[Any, Any, Any]:
+    """Teacher-forcing batch of tasks ``start..start+size-1``: (input_ids, attention_mask, labels), [B, T].
+
+    Labels are -100 on the prompt and padding, so only the answer and its EOS are learned.
+    """
+    import torch
+
+    rows, masks, labels = [], [], []
+    for index in range(start, start + size):
+        words = env.words(index)
+        prompt_ids = tokenizer.encode(render_prompt(words))
+        answer_ids = tokenizer.encode(render_answer(words)) + [tokenizer.eos_token_id]
+        rows.append(prompt_ids + answer_ids)
+        labels.append([-100] * len(prompt_ids) + answer_ids)
+    width = max(len(row) for row in rows)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([row + [pad] * (width - len(row)) for row in rows])
+    masks = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+    label_ids = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
+    return input_ids, masks, label_ids
+
+
+def warm_up(model: Any, tokenizer: Any, steps: int = WARMUP_STEPS, seed: int = 0) -> list[float]:
+    """Supervised warm-up on reverse-words (AdamW, constant lr WARMUP_LR); returns the loss per step."""
+    import torch
+
+    env = ReverseWords(seed=WARMUP_TASK_SEED + seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR, weight_decay=0.0)
+    model.train()
+    losses = []
+    for step in range(steps):
+        input_ids, mask, labels = get_warmup_batch(tokenizer, env, step * WARMUP_BATCH, WARMUP_BATCH)
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def create_tiny_model_files(out_dir: Path, seed: int = 0, warmup_steps: int = WARMUP_STEPS) -> None:
+    """Build the tokenizer, the seeded random model and its warm-up, and save them into ``out_dir``.
+
+    Runs on one torch thread (restored afterwards) so that the result depends only on the seed.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen3ForCausalLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tokenizer = train_tokenizer(get_tokenizer_corpus())
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(get_model_config(tokenizer.eos_token_id))
+        warm_up(model, tokenizer, steps=warmup_steps, seed=seed)
+        model.save_pretrained(out_dir, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
+        # Only token ids: vLLM applies sampling defaults found in generation_config.json, and rlrun's
+        # sampling parameters must come from the spec alone.
+        GenerationConfig(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.eos_token_id).save_pretrained(out_dir)
+        (out_dir / "rlrun-tiny.json").write_text(json.dumps(
+            {"model_version": MODEL_VERSION, "seed": seed, "warmup_steps": warmup_steps}), encoding="utf-8")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
+    """Make ``out_dir`` an HF directory of the tiny model for ``seed``; return ``out_dir``.
+
+    The first build for (MODEL_VERSION, seed) on a machine happens in the cache (atomically, under a file
+    lock); every call then copies the cache entry into ``out_dir`` atomically (a temporary sibling renamed
+    into place), replacing what was there. Deterministic given the seed.
+    """
+    out_dir = Path(out_dir)
+    cached = cache_root() / cache_key(seed)
+    with file_lock(cache_root() / f"{cache_key(seed)}.lock"):
+        if not (cached / "model.safetensors").is_file():
+            with atomic_directory(cached) as tmp:
+                create_tiny_model_files(tmp, seed=seed)
+    with atomic_directory(out_dir) as tmp:
+        for entry in cached.iterdir():
+            shutil.copyfile(entry, tmp / entry.name)
+            os.chmod(tmp / entry.name, 0o644)
+        os.chmod(tmp, 0o755)  # other roles (other users in a cluster) read it
+    return out_dir
+
+
+def ensure_model(spec: dict[str, Any], storage: RunStorage) -> str:
+    """What vLLM and transformers should load for ``spec.model.name``.
+
+    Args:
+        spec: the RLRun ``spec`` mapping (a whole RLRun object with a ``spec`` key is accepted too).
+        storage: the run's storage.
+
+    Returns:
+        for ``rlrun-tiny``: ``storage.model_dir`` (built with seed 0 if absent, under a file lock, since
+        several roles may start at once; seed 0 plays the part of a fixed pretrained checkpoint, the run's
+        seeds vary prompts and sampling); for an existing local directory: that path; otherwise the name
+        unchanged (a Hugging Face id).
+    """
+    if "model" not in spec and isinstance(spec.get("spec"), dict):
+        spec = spec["spec"]
+    name = spec["model"]["name"]
+    if name == constants.TINY_MODEL_NAME:
+        model_dir = storage.model_dir
+        with file_lock(storage.root / ".model.lock"):
+            if not (model_dir / "model.safetensors").is_file():
+                build_tiny_model(model_dir, seed=0)
+        return str(model_dir)
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser())
+    return name
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``rlrun-runtime make-tiny-model OUT [--seed N]``: build the tiny model into OUT; exit code 0 or 2."""
+    parser = argparse.ArgumentParser(prog="rlrun-runtime make-tiny-model", description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="output directory (replaced if it exists)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random init and warm-up (default 0)")
+    args = parser.parse_args(argv)
+    if args.seed < 0:
+        print("make-tiny-model: --seed must be >= 0", file=sys.stderr)
+        return 2
+    if args.out.exists() and not args.out.is_dir():
+        print(f"make-tiny-model: OUT {args.out} exists and is not a directory; pick another path",
+              file=sys.stderr)
+        return 2
+    path = build_tiny_model(args.out, seed=args.seed)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
