@@ -118,3 +118,10 @@ STATEFULSET_NAME_MAX_LENGTH = 52
 INFERENCE_ROLE_PREFILL = "prefill"  # vLLM kv_producer
 INFERENCE_ROLE_DECODE = "decode"    # vLLM kv_consumer
 INFERENCE_ROLE_BOTH = "both"        # no KV connector (disaggregation off)
+
+# --- Metrics the trainer serves on TRAINER_METRICS_PORT (rank 0; also the probes' endpoint) ----------
+METRIC_TRAINER_STEP = "rlrun_trainer_step"                          # last completed step = policy version
+METRIC_TRAINER_LOSS = "rlrun_trainer_loss"
+METRIC_TRAINER_MISMATCH_KL = "rlrun_trainer_mismatch_kl"
+METRIC_TRAINER_TOKENS_PER_SECOND = "rlrun_trainer_tokens_per_second"
+METRIC_TRAINER_WAIT_SECONDS = "rlrun_trainer_wait_seconds"          # time the last step waited for its batch
