@@ -125,3 +125,6 @@ METRIC_TRAINER_LOSS = "rlrun_trainer_loss"
 METRIC_TRAINER_MISMATCH_KL = "rlrun_trainer_mismatch_kl"
 METRIC_TRAINER_TOKENS_PER_SECOND = "rlrun_trainer_tokens_per_second"
 METRIC_TRAINER_WAIT_SECONDS = "rlrun_trainer_wait_seconds"          # time the last step waited for its batch
+# On a scaled (inference/prefill/decode) Deployment of a suspended run: its replicas before suspend.
+ANNOTATION_REPLICAS_BEFORE_SUSPEND = "rlrun.dev/replicas-before-suspend"
+OPERATOR_STATUS_INTERVAL_S = 5.0  # default seconds between status refreshes of a run (rlrun-operator --status-interval)
