@@ -128,3 +128,7 @@ METRIC_TRAINER_WAIT_SECONDS = "rlrun_trainer_wait_seconds"          # time the l
 # On a scaled (inference/prefill/decode) Deployment of a suspended run: its replicas before suspend.
 ANNOTATION_REPLICAS_BEFORE_SUSPEND = "rlrun.dev/replicas-before-suspend"
 OPERATOR_STATUS_INTERVAL_S = 5.0  # default seconds between status refreshes of a run (rlrun-operator --status-interval)
+# Address the inference, router and orchestrator servers listen on (default 0.0.0.0 in pods); `rlrun local`
+# and the tests set 127.0.0.1 so that nothing listens beyond loopback.
+ENV_BIND_HOST = "RLRUN_BIND_HOST"
+DEFAULT_BIND_HOST = "0.0.0.0"
