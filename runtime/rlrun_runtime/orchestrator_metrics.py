@@ -1,0 +1,53 @@
+"""The orchestrator's Prometheus metrics (names from ``rlrun_operator.constants``; the operator scrapes them)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from rlrun_operator import constants
+
+# Pause->resume of one engine; the tiny model on CPU takes tens of ms, a large model on GPU seconds.
+WEIGHT_UPDATE_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class OrchestratorMetrics:
+    """Gauges, counters and a histogram in their own registry (so tests can create several).
+
+    Gauges: ``constants.METRIC_STEP`` (newest trainer step published), ``METRIC_POLICY_VERSION`` (version
+    loaded by every engine), ``METRIC_LAST_REWARD`` (mean reward of the last batch written),
+    ``METRIC_WEIGHT_UPDATE_IN_FLIGHT`` (1 while engines are paused), ``METRIC_MAX_STEPS``,
+    ``rlrun_orchestrator_batch_step`` (last batch written).
+    Counters: rollouts, generated tokens, dropped groups by reason (stale, zero_advantage, small), dropped
+    samples by reason (bad_logprobs, nonfinite_reward), weight updates and their failures.
+    Histogram: per-engine weight-update latency (pause->resume) in seconds.
+    """
+
+    def __init__(self, max_steps: int):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.step = Gauge(constants.METRIC_STEP, "Newest trainer step whose weights are published", registry=r)
+        self.policy_version = Gauge(constants.METRIC_POLICY_VERSION,
+                                    "Policy version loaded by every inference engine", registry=r)
+        self.last_reward = Gauge(constants.METRIC_LAST_REWARD, "Mean reward of the last batch written", registry=r)
+        self.weight_update_in_flight = Gauge(constants.METRIC_WEIGHT_UPDATE_IN_FLIGHT,
+                                             "1 while inference engines are paused for a weight update", registry=r)
+        self.max_steps = Gauge(constants.METRIC_MAX_STEPS, "Trainer steps of the run", registry=r)
+        self.max_steps.set(max_steps)
+        self.batch_step = Gauge("rlrun_orchestrator_batch_step", "Last batch (trainer step) written", registry=r)
+        self.rollouts = Counter("rlrun_orchestrator_rollouts", "Completions received and scored", registry=r)
+        self.tokens = Counter("rlrun_orchestrator_generated_tokens", "Completion tokens generated", registry=r)
+        self.dropped_groups = Counter("rlrun_orchestrator_dropped_groups", "Groups left out of batches",
+                                      ["reason"], registry=r)
+        self.dropped_samples = Counter("rlrun_orchestrator_dropped_samples", "Completions left out of batches",
+                                       ["reason"], registry=r)
+        self.weight_updates = Counter("rlrun_orchestrator_weight_updates", "Per-engine weight updates done",
+                                      registry=r)
+        self.weight_update_failures = Counter("rlrun_orchestrator_weight_update_failures",
+                                              "Weight-update rounds that failed on some engine", registry=r)
+        self.weight_update_seconds = Histogram("rlrun_orchestrator_weight_update_seconds",
+                                               "Per-engine weight update latency, pause to resume",
+                                               buckets=WEIGHT_UPDATE_BUCKETS_S, registry=r)
+
+    def serve(self, port: int, addr: str = "0.0.0.0"):
+        """Serve ``/metrics`` on ``addr:port`` in a thread; returns prometheus_client's (server, thread)."""
+        return start_http_server(port, addr=addr, registry=self.registry)

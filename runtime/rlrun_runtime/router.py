@@ -1,0 +1,129 @@
+"""`rlrun-runtime router`: vllm-router (0.1.17) in front of a run's inference servers.
+
+:func:`get_router_args` builds the command line (pure); :func:`main` execs
+``python -m vllm_router.launch_router`` with it so that signals reach the router directly.
+
+Flags checked against ``python -m vllm_router.launch_router --help`` of vllm-router 0.1.17:
+``--host``/``--prometheus-host`` default to 127.0.0.1 (unreachable from other pods), and
+``--service-discovery-port`` defaults to 80, so all three are always passed. ``--prefill URL [BOOTSTRAP]``
+and ``--decode URL`` are repeated once per server; ``--worker-urls`` takes a list; selectors take
+``key=value`` lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Mapping
+
+from rlrun_operator import constants
+from rlrun_runtime.inference import InferenceConfigError, load_spec
+
+ROUTER_MODULE = "vllm_router.launch_router"
+DISCOVERY_MODES = ("kubernetes", "static")
+# vllm-router waits for static workers to report healthy, polling every 30 s by default; vLLM on CPU is
+# ready in ~40 s, so a 30 s poll would add up to 30 s to every local start.
+WORKER_STARTUP_CHECK_INTERVAL_S = 1
+
+
+class RouterConfigError(InferenceConfigError):
+    """Bad router input (missing env var, unknown discovery mode); the message names the fix."""
+
+
+def _require(env: Mapping[str, str], name: str) -> str:
+    value = env.get(name, "").strip()
+    if not value:
+        raise RouterConfigError(f"environment variable {name} is not set; the renderer (or rlrun local) sets it")
+    return value
+
+
+def _urls(env: Mapping[str, str], name: str) -> list[str]:
+    urls = [u.strip() for u in _require(env, name).split(",") if u.strip()]
+    if not urls:
+        raise RouterConfigError(f"environment variable {name} holds no URL; set a comma-separated list of http://host:port")
+    return urls
+
+
+def _selector(run_name: str, component: str) -> list[str]:
+    return [f"{constants.LABEL_INSTANCE}={run_name}", f"{constants.LABEL_COMPONENT}={component}"]
+
+
+def get_router_args(spec: Mapping[str, Any], env: Mapping[str, str]) -> list[str]:
+    """vllm-router arguments for a run (pure).
+
+    Args:
+        spec: the defaulted ``RLRun.spec``.
+        env: the role's environment: ``RLRUN_ROUTER_PORT``, ``RLRUN_ROUTER_METRICS_PORT`` (defaults
+            ``constants.ROUTER_PORT``/``ROUTER_METRICS_PORT``), ``RLRUN_ROUTER_DISCOVERY`` (``kubernetes``
+            or ``static``, default kubernetes); kubernetes needs ``RLRUN_NAMESPACE`` and ``RLRUN_RUN_NAME``;
+            ``RLRUN_BIND_HOST`` (listen address, default 0.0.0.0);
+            static needs ``RLRUN_WORKER_URLS`` (or ``RLRUN_PREFILL_URLS`` and ``RLRUN_DECODE_URLS`` when
+            ``spec.inference.disaggregation.enabled``), comma-separated ``http://host:port`` lists.
+
+    Returns:
+        The arguments after ``python -m vllm_router.launch_router``; ``spec.router.args`` come last.
+
+    Raises:
+        RouterConfigError: an env var above is missing or the discovery mode is unknown.
+    """
+    disaggregated = bool(spec["inference"]["disaggregation"]["enabled"])
+    host = env.get(constants.ENV_BIND_HOST, "").strip() or constants.DEFAULT_BIND_HOST
+    args = [
+        "--host", host,
+        "--port", env.get(constants.ENV_ROUTER_PORT, "").strip() or str(constants.ROUTER_PORT),
+        "--prometheus-host", host,
+        "--prometheus-port",
+        env.get(constants.ENV_ROUTER_METRICS_PORT, "").strip() or str(constants.ROUTER_METRICS_PORT),
+        "--policy", str(spec["router"]["policy"]),
+        "--worker-startup-check-interval", str(WORKER_STARTUP_CHECK_INTERVAL_S),
+    ]
+    if disaggregated:
+        args.append("--vllm-pd-disaggregation")
+    discovery = env.get(constants.ENV_ROUTER_DISCOVERY, "").strip() or "kubernetes"
+    if discovery == "kubernetes":
+        run_name = _require(env, constants.ENV_RUN_NAME)
+        args += [
+            "--service-discovery",
+            "--service-discovery-namespace", _require(env, constants.ENV_NAMESPACE),
+            "--service-discovery-port", str(constants.SERVICE_DISCOVERY_PORT),
+        ]
+        if disaggregated:
+            args += ["--prefill-selector", *_selector(run_name, constants.COMPONENT_PREFILL)]
+            args += ["--decode-selector", *_selector(run_name, constants.COMPONENT_DECODE)]
+        else:
+            args += ["--selector", *_selector(run_name, constants.COMPONENT_INFERENCE)]
+    elif discovery == "static":
+        if disaggregated:
+            for url in _urls(env, constants.ENV_PREFILL_URLS):
+                args += ["--prefill", url]
+            for url in _urls(env, constants.ENV_DECODE_URLS):
+                args += ["--decode", url]
+        else:
+            args += ["--worker-urls", *_urls(env, constants.ENV_WORKER_URLS)]
+    else:
+        raise RouterConfigError(
+            f"{constants.ENV_ROUTER_DISCOVERY}={discovery!r} is unknown; set it to one of {', '.join(DISCOVERY_MODES)}"
+        )
+    args += [str(a) for a in spec["router"].get("args") or []]
+    return args
+
+
+def main(argv: list[str]) -> int:
+    """Build the router command from ``--config`` and the env, then exec it (returns 2 on bad input)."""
+    parser = argparse.ArgumentParser(prog="rlrun-runtime router", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="the RLRun YAML")
+    parser.add_argument("--dry-run", action="store_true", help="print the router command instead of running it")
+    ns = parser.parse_args(argv)
+    try:
+        args = get_router_args(load_spec(ns.config), os.environ)
+    except InferenceConfigError as err:
+        print(f"rlrun-runtime router: {err}", file=sys.stderr)
+        return 2
+    command = [sys.executable, "-m", ROUTER_MODULE, *args]
+    print("rlrun-runtime router: " + " ".join(command), file=sys.stderr, flush=True)
+    if ns.dry_run:
+        print(" ".join(command))
+        return 0
+    os.execvpe(command[0], command, dict(os.environ))
+    return 1  # unreachable

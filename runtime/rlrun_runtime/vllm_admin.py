@@ -1,0 +1,217 @@
+"""HTTP client for the RL admin endpoints of ONE vLLM engine, and the weight update across all engines.
+
+The endpoints exist when the server runs with ``VLLM_SERVER_DEV_MODE=1`` (vLLM 0.32:
+``vllm/entrypoints/rl/online/api_router.py``, ``vllm/entrypoints/serve/dev/``). Admin calls go to every
+engine directly, never through the router (which would pick one engine at random).
+
+Weight update on one engine (docs/runtime-contract.md): ``POST /pause?mode=keep`` (running requests are
+frozen in place and continue on resume) -> ``POST /collective_rpc`` ``reload_weights(weights_path=DIR)``
+(the workers reload an HF safetensors directory in place) -> ``POST /update_weight_version`` (what
+``GET /weight_info`` reports) -> ``POST /reset_prefix_cache`` -> ``POST /resume``. Resume always runs,
+even when a step before it failed. vLLM refuses the prefix-cache reset while requests hold KV blocks
+(HTTP 200 with ``success: false``), which is expected after a ``keep`` pause; requests carry
+``cache_salt = "policy-<version>"`` so that KV computed with older weights is never reused anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import socket
+import time
+from typing import Any, Iterable, Sequence
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_RETRIES = 3
+DEFAULT_BACKOFF_S = 0.2
+
+
+class EngineError(RuntimeError):
+    """An admin call to one engine failed after its retries; ``engine`` is its base URL."""
+
+    def __init__(self, engine: str, message: str):
+        super().__init__(f"vLLM engine {engine}: {message}")
+        self.engine = engine
+
+
+class VLLMAdmin:
+    """Async client for one engine's admin endpoints.
+
+    Every call has a timeout (``timeout_s``) and is retried up to ``retries`` more times on connection
+    errors, timeouts and HTTP 5xx, sleeping ``backoff_s * 2**attempt`` seconds between attempts; HTTP 4xx
+    is not retried. Failures raise :class:`EngineError` naming the engine.
+
+    Args:
+        base_url: ``http://host:port`` of the engine.
+    """
+
+    def __init__(self, base_url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, retries: int = DEFAULT_RETRIES,
+                 backoff_s: float = DEFAULT_BACKOFF_S):
+        self.base_url = base_url.rstrip("/")
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s)
+
+    async def __aenter__(self) -> "VLLMAdmin":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def _call(self, method: str, path: str, *, retries: int | None = None, **kwargs: Any) -> httpx.Response:
+        attempts = (self.retries if retries is None else retries) + 1
+        last = ""
+        for attempt in range(attempts):
+            try:
+                response = await self._client.request(method, path, **kwargs)
+            except httpx.HTTPError as err:  # connection refused, timeouts, protocol errors
+                last = f"{method} {path}: {type(err).__name__}: {err}"
+            else:
+                if response.status_code < 400:
+                    return response
+                last = f"{method} {path}: HTTP {response.status_code}: {response.text[:300]}"
+                if response.status_code < 500:
+                    break
+            if attempt + 1 < attempts:
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise EngineError(self.base_url, f"{last} (after {attempt + 1} attempt(s))")
+
+    async def health(self) -> bool:
+        """True when ``GET /health`` answers 200 (one attempt; False on any error)."""
+        try:
+            response = await self._client.get("/health")
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def pause(self, mode: str = "keep") -> None:
+        """``POST /pause?mode=MODE``: keep (freeze in-flight requests), wait (drain) or abort."""
+        await self._call("POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        """``POST /resume``."""
+        await self._call("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        """``GET /is_paused``."""
+        return bool((await self._call("GET", "/is_paused")).json()["is_paused"])
+
+    async def reload_weights(self, weights_path: str) -> None:
+        """Reload every worker's weights in place from an HF safetensors directory (a path the engine sees)."""
+        await self._call("POST", "/collective_rpc",
+                         json={"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}})
+
+    async def update_weight_version(self, version: int | str) -> None:
+        """Set the version ``GET /weight_info`` reports (vLLM stores it as a string)."""
+        await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+
+    async def weight_info(self) -> str:
+        """The engine's weight version string (vLLM's initial value is ``"default"``)."""
+        return str((await self._call("GET", "/weight_info")).json()["weight_version"])
+
+    async def reset_prefix_cache(self) -> bool:
+        """``POST /reset_prefix_cache``; returns vLLM's ``success`` flag (False while requests hold blocks)."""
+        return bool((await self._call("POST", "/reset_prefix_cache")).json().get("success", False))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineUpdate:
+    """Result of one engine's weight update: ``latency_ms`` from pause sent to resume answered."""
+
+    engine: str
+    version: int
+    latency_ms: float
+    prefix_cache_reset: bool
+
+
+def parse_version(weight_version: str) -> int | None:
+    """vLLM's weight-version string as a policy version: ``"7"`` -> 7; ``"default"`` or junk -> None."""
+    return int(weight_version) if weight_version.strip().isdigit() else None
+
+
+def resolve_engines(endpoints: str | Iterable[str]) -> list[str]:
+    """Base URLs of every engine behind ``endpoints`` (``host:port`` items, or a comma-separated string).
+
+    Each host is resolved with ``getaddrinfo`` (a headless Service name resolves to every ready pod),
+    so the list is re-read before every weight update. Sorted, duplicates removed.
+
+    Raises:
+        ValueError: an item is not ``host:port``.
+        socket.gaierror: a host does not resolve.
+    """
+    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    urls: set[str] = set()
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"inference endpoint {item!r} is not host:port")
+        for family, _, _, _, sockaddr in socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM):
+            address = sockaddr[0]
+            urls.add(f"http://[{address}]:{port}" if family == socket.AF_INET6 else f"http://{address}:{port}")
+    return sorted(urls)
+
+
+async def update_engine(admin: VLLMAdmin, version: int, weights_path: str) -> EngineUpdate:
+    """pause(keep) -> reload -> set version -> reset prefix cache -> resume on one engine.
+
+    Resume runs in a ``finally``; an error in any step is raised (as :class:`EngineError`) after it.
+    """
+    start = time.perf_counter()
+    await admin.pause("keep")
+    try:
+        await admin.reload_weights(weights_path)
+        await admin.update_weight_version(version)
+        reset = await admin.reset_prefix_cache()
+    finally:
+        await admin.resume()
+    latency_ms = (time.perf_counter() - start) * 1000.0
+    if not reset:
+        log.info("engine %s: prefix-cache reset refused while requests hold blocks; cache_salt isolates old KV",
+                 admin.base_url)
+    return EngineUpdate(admin.base_url, version, latency_ms, reset)
+
+
+async def update_weights_everywhere(endpoints: str | Sequence[str], version: int, weights_path: str, *,
+                                    timeout_s: float = DEFAULT_TIMEOUT_S, retries: int = DEFAULT_RETRIES
+                                    ) -> dict[str, float]:
+    """Load ``weights_path`` as policy ``version`` on every engine behind ``endpoints``, concurrently.
+
+    Returns:
+        ``{engine base URL: pause->resume latency in ms}``.
+
+    Raises:
+        EngineError: one or more engines failed (every other engine is still updated and resumed);
+            the message names them.
+    """
+    updates = await update_engines(resolve_engines(endpoints), version, weights_path,
+                                   timeout_s=timeout_s, retries=retries)
+    return {u.engine: u.latency_ms for u in updates}
+
+
+async def update_engines(engines: Sequence[str], version: int, weights_path: str, *,
+                         timeout_s: float = DEFAULT_TIMEOUT_S, retries: int = DEFAULT_RETRIES) -> list[EngineUpdate]:
+    """:func:`update_engine` on each base URL in ``engines`` concurrently (see :func:`update_weights_everywhere`)."""
+
+    async def one(url: str) -> EngineUpdate:
+        async with VLLMAdmin(url, timeout_s=timeout_s, retries=retries) as admin:
+            return await update_engine(admin, version, weights_path)
+
+    results = await asyncio.gather(*(one(url) for url in engines), return_exceptions=True)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        for failure in failures:
+            if not isinstance(failure, Exception):
+                raise failure
+        raise EngineError(", ".join(getattr(f, "engine", "?") for f in failures),
+                          "; ".join(str(f) for f in failures))
+    return [r for r in results if isinstance(r, EngineUpdate)]
