@@ -1,0 +1,246 @@
+"""validate(): schema errors, CEL rules of the CRD, semantic checks; load_documents(): bad files."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import ROOT
+from rlrun_operator import constants, validation
+from rlrun_operator.validation import FieldError, SpecFileError, load_documents, validate
+
+DELETE = object()
+
+
+def mutate(rlrun: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``rlrun`` with dotted paths set (missing parents created) or deleted (value DELETE)."""
+    out = copy.deepcopy(rlrun)
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is DELETE:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return out
+
+
+GPU_RUN = {"spec.trainer.gpusPerNode": 8, "spec.trainer.nodes": 1, "spec.inference.gpusPerReplica": 1}
+DISAGG = {"spec.inference.disaggregation.enabled": True, "spec.inference.disaggregation.ratio": "1:2",
+          "spec.inference.disaggregation.replicas": 6}
+
+# (id, changes to examples/rlrun-tiny.yaml, expected path, text the message must contain: the fix)
+SCHEMA_CASES = [
+    ("type", {"spec.algorithm.batchSize": "64"}, "spec.algorithm.batchSize", "write an integer"),
+    ("bool-is-not-int", {"spec.algorithm.maxSteps": True}, "spec.algorithm.maxSteps", "must be an integer"),
+    ("minimum", {"spec.algorithm.rolloutsPerPrompt": 1}, "spec.algorithm.rolloutsPerPrompt", "set it at least 2"),
+    ("exclusive-minimum", {"spec.algorithm.learningRate": 0}, "spec.algorithm.learningRate", "set it above 0"),
+    ("maximum", {"spec.algorithm.sampling.topP": 1.5}, "spec.algorithm.sampling.topP", "set it at most 1"),
+    ("enum", {"spec.trainer.quantization": "int4"}, "spec.trainer.quantization", "use one of: none, fp8, mxfp8"),
+    ("unknown-field", {"spec.algorithm.batchsize": 64}, "spec.algorithm.batchsize", "did you mean 'batchSize'?"),
+    ("unknown-far", {"spec.zzz": 1}, "spec.zzz", "remove it; known fields: algorithm"),
+    ("required", {"spec.model": DELETE}, "spec.model", "is required; add it"),
+    ("required-nested", {"spec.environment.type": DELETE}, "spec.environment.type", "is required"),
+    ("pattern", {"spec.inference.disaggregation.ratio": "1-2"}, "spec.inference.disaggregation.ratio",
+     "write a value of that form"),
+    ("min-length", {"spec.model.name": ""}, "spec.model.name", "set a non-empty value"),
+    ("no-spec", {"spec": DELETE}, "spec", "is required"),
+    ("spec-not-object", {"spec": [1]}, "spec", "must be an object"),
+    ("list-item", {"spec.imagePullSecrets": [{}]}, "spec.imagePullSecrets[0].name", "is required"),
+    ("date-time", {"status.startTime": "yesterday"}, "status.startTime", "2026-01-02T03:04:05Z"),
+    ("api-version", {"apiVersion": "rlrun.dev/v1"}, "apiVersion", "set apiVersion: rlrun.dev/v1alpha1"),
+    ("kind", {"kind": "Job"}, "kind", "set kind: RLRun"),
+]
+
+CEL_CASES = [
+    ("batch-multiple", {"spec.algorithm.batchSize": 68}, "spec.algorithm.batchSize", "multiple of"),
+    ("micro-batch", {"spec.algorithm.microBatchSize": 128}, "spec.algorithm.microBatchSize",
+     "lower microBatchSize"),
+    ("max-tokens", {"spec.algorithm.sampling.maxTokens": 128}, "spec.algorithm.sampling.maxTokens",
+     "lower maxTokens or raise model.maxModelLen"),
+    ("off-policy", {"spec.algorithm.maxAsyncLevel": 3}, "spec.algorithm.maxOffPolicySteps",
+     "raise maxOffPolicySteps or lower maxAsyncLevel"),
+    ("nccl-cpu", {"spec.weightSync.transport": "nccl"}, "spec.weightSync.transport", "use transport filesystem"),
+    ("autoscaling-needs-pd", {"spec.autoscaling.enabled": True}, "spec.autoscaling.enabled",
+     "enable disaggregation or set autoscaling.enabled: false"),
+    ("cpu-trainer-one-node", {"spec.trainer.nodes": 2}, "spec.trainer.nodes", "set trainer.nodes to 1"),
+    ("fp8-cpu", {"spec.trainer.quantization": "fp8"}, "spec.trainer.quantization",
+     "set trainer.quantization: none"),
+    ("lora-empty", {"spec.trainer.lora": {"rank": 8, "targetModules": []}}, "spec.trainer.lora.targetModules",
+     "or set trainer.lora.rank: 0"),
+    ("gpus-tp-dp", {"spec.inference.gpusPerReplica": 2}, "spec.inference.gpusPerReplica",
+     "must equal tensorParallel x dataParallel"),
+    ("pd-replicas", {"spec.inference.disaggregation.enabled": True, "spec.inference.disaggregation.replicas": 1},
+     "spec.inference.disaggregation.replicas", "raise\ninference.disaggregation.replicas".replace("\n", " ")),
+    ("autoscaling-bounds", {**DISAGG, "spec.autoscaling.enabled": True, "spec.autoscaling.prefill.min": 3,
+                            "spec.autoscaling.prefill.max": 2}, "spec.autoscaling.prefill.min",
+     "lower min or raise max"),
+    ("ratio-low", {"spec.algorithm.loss.ratioLow": 1.5}, "spec.algorithm.loss.ratioLow", "lower ratioLow"),
+    ("ratio-high-int", {"spec.algorithm.loss.ratioHigh": 1}, "spec.algorithm.loss.ratioHigh", "raise ratioHigh"),
+    ("claim-and-class", {"spec.storage.claimName": "data", "spec.storage.storageClassName": "rwx"},
+     "spec.storage", "drop it when storage.claimName"),
+]
+
+SEMANTIC_CASES = [
+    ("name-missing", {"metadata.name": DELETE}, "metadata.name", "name the run"),
+    ("name-dns", {"metadata.name": "My_Run"}, "metadata.name", "lower-case letters, digits and '-'"),
+    ("name-length", {"metadata.name": "a" * 45}, "metadata.name", "shorten it to at most 44 characters"),
+    ("namespace", {"metadata.namespace": "Bad NS"}, "metadata.namespace", "lower-case letters"),
+    ("builtin-name", {"spec.environment.name": "reverse-word"}, "spec.environment.name",
+     "did you mean 'reverse-words'?"),
+    ("python-path", {"spec.environment.type": "python", "spec.environment.name": "mymodule"},
+     "spec.environment.name", "'package.module:attribute'"),
+    ("pools-above-max", {**DISAGG, "spec.autoscaling.enabled": True, "spec.autoscaling.prefill.max": 1},
+     "spec.autoscaling.prefill.max", "raise autoscaling.prefill.max to 2"),
+    ("pools-below-min", {**DISAGG, "spec.autoscaling.enabled": True, "spec.autoscaling.decode.min": 5},
+     "spec.autoscaling.decode.min", "lower autoscaling.decode.min to 4"),
+    ("cp-divides", {**GPU_RUN, "spec.trainer.parallelism.cp": 3}, "spec.trainer.parallelism.cp",
+     "pick a divisor of 8"),
+    ("fsdp-divides", {**GPU_RUN, "spec.trainer.parallelism.fsdp": 3}, "spec.trainer.parallelism.fsdp",
+     "fsdp x cp divides 8"),
+    ("fsdp-zero", {**GPU_RUN, "spec.trainer.parallelism.fsdp": 0}, "spec.trainer.parallelism.fsdp",
+     "set it to -1"),
+    ("ep-borrows", {**GPU_RUN, "spec.trainer.parallelism.ep": 16}, "spec.trainer.parallelism.ep",
+     "pick such an ep, or 1"),
+    ("ep-multiple-of-cp", {**GPU_RUN, "spec.trainer.parallelism.cp": 2, "spec.trainer.parallelism.ep": 3},
+     "spec.trainer.parallelism.ep", "multiple of cp (2)"),
+]
+
+
+@pytest.mark.parametrize("changes,path,fix", [c[1:] for c in SCHEMA_CASES + CEL_CASES + SEMANTIC_CASES],
+                         ids=[c[0] for c in SCHEMA_CASES + CEL_CASES + SEMANTIC_CASES])
+def test_bad_spec_gives_one_error_at_the_field_with_the_fix(tiny_rlrun, changes, path, fix) -> None:
+    errors = validate(mutate(tiny_rlrun, changes))
+    assert [e.path for e in errors] == [path], errors
+    assert fix in errors[0].message.replace("\n", " ")
+
+
+def test_valid_variations_have_no_errors(tiny_rlrun) -> None:
+    variations = [
+        {},
+        {"spec.algorithm.loss.ratioHigh": 8},  # an int in a `number` field is a CEL double, as on the server
+        {**GPU_RUN, "spec.trainer.nodes": 2, "spec.trainer.parallelism": {"fsdp": 8, "cp": 2, "ep": 4}},
+        {**GPU_RUN, "spec.trainer.quantization": "fp8", "spec.weightSync.transport": "nccl"},
+        {**DISAGG, "spec.autoscaling.enabled": True, "spec.autoscaling.prefill": {"min": 2, "max": 2}},
+        {"spec.storage.claimName": "existing-claim"},
+        {"spec.environment.type": "python", "spec.environment.name": "my_pkg.envs:Reverse"},
+        {"metadata.name": "a" * 44},
+        {"status": {"phase": "Running", "startTime": "2026-01-02T03:04:05Z",
+                    "conditions": [{"type": "Ready", "status": "True",
+                                    "lastTransitionTime": "2026-01-02T03:04:05+00:00"}]}},
+    ]
+    for changes in variations:
+        assert validate(mutate(tiny_rlrun, changes)) == [], changes
+
+
+def test_schema_errors_do_not_cascade_into_rule_errors(tiny_rlrun) -> None:
+    # a string rolloutsPerPrompt would also break `batchSize % rolloutsPerPrompt` and every semantic check
+    errors = validate(mutate(tiny_rlrun, {"spec.algorithm.rolloutsPerPrompt": "8",
+                                          "spec.environment.name": "unknown-task"}))
+    assert [e.path for e in errors] == ["spec.algorithm.rolloutsPerPrompt"]
+
+
+def test_rules_elsewhere_still_run_next_to_a_schema_error(tiny_rlrun) -> None:
+    errors = validate(mutate(tiny_rlrun, {"spec.router.policy": "fastest", "spec.trainer.nodes": 2}))
+    assert [e.path for e in errors] == ["spec.router.policy", "spec.trainer.nodes"]
+
+
+def test_several_errors_are_all_reported(tiny_rlrun) -> None:
+    errors = validate(mutate(tiny_rlrun, {"spec.algorithm.batchSize": 68, "spec.trainer.quantization": "fp8",
+                                          "spec.algorithm.sampling.maxTokens": 500}))
+    assert {e.path for e in errors} == {"spec.algorithm.batchSize", "spec.trainer.quantization",
+                                        "spec.algorithm.sampling.maxTokens"}
+
+
+def test_sizing_error_is_not_reported_twice(tiny_rlrun) -> None:
+    # the CEL rule and sizing.size_pd both reject 1 replica; the user sees it once
+    errors = validate(mutate(tiny_rlrun, {"spec.inference.disaggregation.enabled": True,
+                                          "spec.inference.disaggregation.replicas": 1}))
+    assert len(errors) == 1
+
+
+def test_field_error_str() -> None:
+    assert str(FieldError("spec.x", "bad; fix it")) == "spec.x: bad; fix it"
+    assert str(FieldError("", "not a mapping")) == "not a mapping"
+
+
+def test_max_name_length_follows_the_statefulset_limit() -> None:
+    assert validation.max_name_length() == constants.STATEFULSET_NAME_MAX_LENGTH - len("-trainer") == 44
+
+
+@pytest.mark.parametrize("obj", [None, 3, "text", [], {}, {"spec": None}, {"spec": {"model": None}},
+                                 {"apiVersion": constants.API_VERSION, "kind": constants.KIND, "spec": {
+                                     "model": {"name": "m"}, "environment": {"type": "builtin", "name": 5},
+                                     "algorithm": "fast", "trainer": {"parallelism": []}}}])
+def test_odd_objects_give_errors_not_exceptions(obj) -> None:
+    errors = validate(obj)
+    assert errors and all(isinstance(e, FieldError) and e.message for e in errors)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=True) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(path=st.sampled_from(["spec", "spec.algorithm", "spec.algorithm.batchSize", "spec.trainer.parallelism",
+                             "spec.inference.disaggregation", "spec.inference.disaggregation.ratio",
+                             "spec.autoscaling.prefill", "spec.model.maxModelLen", "metadata", "metadata.name",
+                             "spec.trainer.lora.targetModules", "status", "status.conditions", "spec.pod.env"]),
+       value=json_values)
+def test_validate_never_raises(path, value) -> None:
+    tiny = yaml.safe_load((ROOT / "examples" / "rlrun-tiny.yaml").read_text())
+    errors = validate(mutate(tiny, {path: value}))
+    assert isinstance(errors, list) and all(isinstance(e, FieldError) for e in errors)
+    assert not any("bug in rlrun" in e.message for e in errors), errors
+
+
+# --- load_documents ------------------------------------------------------------------------------
+
+def write(tmp_path, text: str | bytes, name: str = "run.yaml"):
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+@pytest.mark.parametrize("content,expected", [
+    ("", "holds no YAML document"),
+    ("# only a comment\n---\n", "holds no YAML document"),
+    ("spec: [1, 2\n", "is not valid YAML at line 2"),
+    (b"\xff\xfe\x00binary", "is not UTF-8 text"),
+    ("- a\n- b\n", "is a YAML list, not a mapping"),
+    ("just text\n", "is a YAML str, not a mapping"),
+    ("apiVersion: v1\nkind: Pod\n", "is apiVersion 'v1' kind 'Pod', not an RLRun; set apiVersion: rlrun.dev/v1alpha1"),
+])
+def test_load_documents_rejects_bad_files(tmp_path, content, expected) -> None:
+    path = write(tmp_path, content)
+    with pytest.raises(SpecFileError) as info:
+        load_documents(path)
+    assert str(info.value).startswith(str(path))
+    assert expected in str(info.value)
+
+
+def test_load_documents_missing_file_and_directory(tmp_path) -> None:
+    with pytest.raises(SpecFileError, match="no such file"):
+        load_documents(tmp_path / "absent.yaml")
+    with pytest.raises(SpecFileError, match="is a directory"):
+        load_documents(tmp_path)
+
+
+def test_load_documents_reads_every_rlrun_of_a_stream(tmp_path) -> None:
+    tiny = (ROOT / "examples" / "rlrun-tiny.yaml").read_text()
+    path = write(tmp_path, tiny + "---\n" + tiny.replace("tiny-reverse", "second") + "---\n")
+    docs = load_documents(path)
+    assert [d["metadata"]["name"] for d in docs] == ["tiny-reverse", "second"]
+    bad = write(tmp_path, tiny + "---\napiVersion: v1\nkind: Pod\n", "mixed.yaml")
+    with pytest.raises(SpecFileError, match=r"\(document 2\)"):
+        load_documents(bad)
