@@ -1,0 +1,366 @@
+"""``rlrun local FILE``: run a whole RLRun on this machine from the manifests the operator would apply.
+
+Steps: validate the file (exit 2 with ``FILE: path: message`` lines, before anything starts); check the
+environment and the model path (exit 2 naming the field and the fix); render the manifests with
+``rlrun_operator.render.render`` (namespace "local"); turn them into processes (``local_plan``: same
+commands and env as the pods, hosts -> 127.0.0.1, ports -> free loopback ports, ConfigMap -> a file,
+PVC -> the output directory); build the model once (``tiny_model.ensure_model``) so the roles do not race
+on it; start every role under the supervisor (``local_processes``) with a live progress display
+(``local_progress``); when the orchestrator finishes, stop the rest, copy the last published weights to
+``DIR/final/`` and draw ``DIR/plot.png``.
+
+Exit status: 0 the run succeeded; 1 a role failed (named, with its last log lines; checkpoints stay on
+disk for ``--resume``); 2 bad input; 130/143 interrupted by SIGINT/SIGTERM (every child is stopped).
+
+Threads: a laptop or CI machine has few cores shared by vLLM, the trainer, the router and the
+orchestrator, so every role gets ``OMP_NUM_THREADS=1`` (and MKL/OpenBLAS likewise) unless the caller's
+environment sets them; vLLM's CPU worker binds its own OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Mapping, Sequence, TextIO
+
+from rlrun_operator import constants as c
+
+from .local_plan import LOCAL_HOST, LocalPaths, LocalPlan, PlanError, get_local_plan
+from .storage import RunStorage, atomic_directory, atomic_write_text, list_steps
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_INVALID = 2
+LOCAL_NAMESPACE = "local"
+DEFAULT_OUTPUT_ROOT = Path("outputs")
+
+# Defaults for every role's environment (the caller's environment wins): one compute thread per role on
+# a small shared machine, unbuffered logs, no tokenizer thread pools.
+THREAD_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+}
+# Entries of the output directory that mean "a run already wrote here" (see docs/runtime-contract.md).
+RUN_STATE_ENTRIES = ("metrics.jsonl", "rollouts", "weights", "checkpoints", "orchestrator")
+
+
+class LocalInputError(ValueError):
+    """Bad user input found before anything starts; the message names the field (or option) and the fix."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Options of ``rlrun local``."""
+    parser = argparse.ArgumentParser(
+        prog="rlrun local",
+        description="Run an RLRun on this machine: the same commands and env as the operator's pods, with "
+                    "service hosts on 127.0.0.1 and free ports, the ConfigMap as a file and the output "
+                    "directory as the shared storage.")
+    parser.add_argument("file", metavar="FILE", help="RLRun YAML file (one document)")
+    parser.add_argument("--output-dir", type=Path, default=None,
+                        help="where metrics.jsonl, rollout samples, checkpoints, final/ weights, plot.png and "
+                             "logs/ go (default outputs/<metadata.name>/)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue a run in an output directory that already holds one, from its latest "
+                             "checkpoint")
+    parser.add_argument("--grace-seconds", type=float, default=15.0,
+                        help="seconds the roles get to exit after SIGTERM before SIGKILL (default 15)")
+    return parser
+
+
+# --- input checks (pure apart from reading the file and probing paths) -----------------------------
+
+def load_run(file: str) -> dict[str, Any]:
+    """Read, validate and default the RLRun in ``file``; metadata.namespace becomes "local".
+
+    Raises:
+        LocalInputError: unreadable file, not exactly one RLRun, or validation errors (one
+            ``FILE: path: message`` line each).
+    """
+    from rlrun_operator import spec, validation
+
+    try:
+        docs = validation.load_documents(file)
+    except validation.SpecFileError as exc:
+        raise LocalInputError(str(exc)) from None
+    if len(docs) != 1:
+        raise LocalInputError(f"{file}: holds {len(docs)} RLRuns; rlrun local runs one per file")
+    errors = validation.validate(docs[0])
+    if errors:
+        raise LocalInputError("\n".join(f"{file}: {error}" for error in errors))
+    rlrun = spec.apply_defaults(docs[0])
+    rlrun.setdefault("metadata", {})["namespace"] = LOCAL_NAMESPACE
+    return rlrun
+
+
+def check_environment(file: str, run_spec: Mapping[str, Any]) -> None:
+    """Load ``spec.environment`` the way the orchestrator will.
+
+    Raises:
+        LocalInputError: the environment cannot be loaded (unknown name, missing package, bad args).
+    """
+    from .environments import load_environment
+
+    try:
+        load_environment(dict(run_spec["environment"]))
+    except ValueError as exc:
+        message = str(exc)
+        if not message.startswith("spec.environment"):
+            message = f"spec.environment: {message}"
+        raise LocalInputError(f"{file}: {message}") from None
+
+
+def get_model_path(run_spec: Mapping[str, Any], output_dir: Path) -> Path | None:
+    """The local directory ``spec.model.name`` points to, or None for rlrun-tiny and Hugging Face ids (pure).
+
+    A name is a path when it starts with ``/``, ``.`` or ``~``. A path under spec.storage.mountPath is
+    on the run's storage, which is ``output_dir`` locally.
+    """
+    name = str(run_spec["model"]["name"])
+    if name == c.TINY_MODEL_NAME or not name.startswith(("/", ".", "~")):
+        return None
+    mount = str(run_spec["storage"]["mountPath"]).rstrip("/")
+    if mount and (name == mount or name.startswith(mount + "/")):
+        return output_dir / name[len(mount):].lstrip("/")
+    return Path(name).expanduser()
+
+
+def check_model(file: str, run_spec: Mapping[str, Any], output_dir: Path) -> None:
+    """Raises LocalInputError when spec.model.name is a path without an HF model (no config.json)."""
+    path = get_model_path(run_spec, output_dir)
+    if path is not None and not (path / "config.json").is_file():
+        raise LocalInputError(
+            f"{file}: spec.model.name: {run_spec['model']['name']!r} is not a model directory (no config.json "
+            f"in {path}); point it to a Hugging Face-format directory, or use a Hugging Face id or "
+            f"{c.TINY_MODEL_NAME}")
+
+
+def has_run_state(output_dir: Path) -> bool:
+    """Whether ``output_dir`` holds the state of an earlier run (RUN_STATE_ENTRIES)."""
+    return any((output_dir / entry).exists() for entry in RUN_STATE_ENTRIES)
+
+
+def check_output_dir(output_dir: Path, resume: bool) -> None:
+    """Raises LocalInputError when ``output_dir`` holds a run and ``--resume`` was not given, or is a file."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise LocalInputError(f"--output-dir: {output_dir} is a file; pass a directory")
+    if not resume and has_run_state(output_dir):
+        raise LocalInputError(
+            f"--output-dir: {output_dir} already holds a run (metrics, weights or checkpoints); pass --resume "
+            "to continue it from its latest checkpoint, or choose another --output-dir")
+
+
+def get_base_env(environ: Mapping[str, str], bin_dir: Path) -> dict[str, str]:
+    """Environment every role starts from: ``environ`` + THREAD_ENV defaults, ``bin_dir`` first on PATH (pure).
+
+    ``bin_dir`` is the directory of this Python (the virtual environment's ``bin``), so the rendered
+    commands ``torchrun`` and ``rlrun-runtime`` resolve to this installation.
+    """
+    env = dict(environ)
+    for key, value in THREAD_ENV.items():
+        env.setdefault(key, value)
+    path = env.get("PATH", "")
+    if str(bin_dir) not in path.split(os.pathsep):
+        env["PATH"] = os.pathsep.join([str(bin_dir), path]) if path else str(bin_dir)
+    return env
+
+
+class FreePorts:
+    """Port allocator for ``get_local_plan``: free loopback ports from the kernel, never the same twice.
+
+    Each call binds 127.0.0.1:0, reads the port and closes the socket; a port could in principle be taken
+    by another program before the role binds it (the role then fails to start and the run stops).
+    """
+
+    def __init__(self) -> None:
+        self.given: set[int] = set()
+
+    def __call__(self) -> int:
+        for _ in range(100):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((LOCAL_HOST, 0))
+                port = sock.getsockname()[1]
+            if port not in self.given:
+                self.given.add(port)
+                return port
+        raise RuntimeError("no free loopback port found")
+
+
+def get_plan(rlrun: dict[str, Any], output_dir: Path, environ: Mapping[str, str]) -> LocalPlan:
+    """Render ``rlrun`` and translate the manifests (raises LocalInputError for render/plan errors)."""
+    from rlrun_operator import render
+
+    try:
+        manifests = render.render(rlrun)
+    except ValueError as exc:  # RenderError and SizingError name the field and the fix
+        raise LocalInputError(str(exc)) from None
+    try:
+        return get_local_plan(manifests, FreePorts(), LocalPaths(output_dir),
+                              get_base_env(environ, Path(sys.executable).parent))
+    except PlanError as exc:
+        raise LocalInputError(f"cannot run locally: {exc}") from None
+
+
+def missing_commands(plan: LocalPlan) -> list[str]:
+    """argv[0]s of the plan that are not found on the processes' PATH."""
+    missing = []
+    for process in plan.processes:
+        if shutil.which(process.argv[0], path=process.env.get("PATH")) is None and process.argv[0] not in missing:
+            missing.append(process.argv[0])
+    return missing
+
+
+# --- after the run ---------------------------------------------------------------------------------
+
+def publish_final(storage: RunStorage, final_dir: Path) -> int | None:
+    """Copy the newest ``weights/step-N`` to ``final_dir`` atomically; returns N (None when there is none)."""
+    steps = list_steps(storage.weights_dir)
+    if not steps:
+        return None
+    source = storage.weights(steps[-1])
+    with atomic_directory(final_dir) as tmp:
+        shutil.copytree(source, tmp, dirs_exist_ok=True)
+    return steps[-1]
+
+
+def write_plot(storage: RunStorage, path: Path, title: str) -> Path | None:
+    """plot.png from metrics.jsonl; None when there is nothing to plot."""
+    from .local_progress import parse_metrics_lines
+    from .plot import render_plot
+
+    try:
+        rows = parse_metrics_lines(storage.metrics_file.read_text(encoding="utf-8"))
+        return render_plot(rows, path, title=title)
+    except (OSError, ValueError):
+        return None
+
+
+def _print_summary(out: TextIO, storage: RunStorage, output_dir: Path, final_step: int | None,
+                   plot: Path | None) -> None:
+    from .local_progress import parse_metrics_lines
+
+    try:
+        rows = parse_metrics_lines(storage.metrics_file.read_text(encoding="utf-8"))
+    except OSError:
+        rows = []
+    rewards = [r["reward_mean"] for r in rows if isinstance(r.get("reward_mean"), (int, float))]
+    if rewards:
+        print(f"steps: {len(rows)}; reward first {rewards[0]:.3f}, last {rewards[-1]:.3f}", file=out)
+    if final_step is not None:
+        print(f"final weights (step {final_step}): {output_dir / 'final'}", file=out)
+    if plot is not None:
+        print(f"plot: {plot}", file=out)
+    print(f"metrics: {storage.metrics_file}; logs: {output_dir / 'logs'}", file=out)
+
+
+# --- main -----------------------------------------------------------------------------------------
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """``rlrun local FILE [--output-dir DIR] [--resume]``; returns the exit status (see module docstring)."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        rlrun = load_run(args.file)
+        run_spec = rlrun["spec"]
+        name = rlrun["metadata"]["name"]
+        output_dir = (args.output_dir or DEFAULT_OUTPUT_ROOT / name).resolve()
+        check_environment(args.file, run_spec)
+        check_model(args.file, run_spec, output_dir)
+        check_output_dir(output_dir, args.resume)
+        if args.grace_seconds < 0:
+            raise LocalInputError("--grace-seconds: must be >= 0")
+        plan = get_plan(rlrun, output_dir, os.environ)
+    except LocalInputError as exc:
+        print(str(exc), file=err)
+        return EXIT_INVALID
+    missing = missing_commands(plan)
+    if missing:
+        print(f"rlrun local: {', '.join(missing)} not found on PATH; install the runtime "
+              "(pip install -e '.[runtime]') into this Python's environment", file=err)
+        return EXIT_INVALID
+    for warning in plan.warnings:
+        print(f"warning: {warning}", file=err)
+    return run_plan(plan, run_spec, name, output_dir, args.resume, args.grace_seconds, out, err)
+
+
+def run_plan(plan: LocalPlan, run_spec: Mapping[str, Any], name: str, output_dir: Path, resume: bool,
+             grace_seconds: float, out: TextIO, err: TextIO) -> int:
+    """Write the config, build the model, run the processes with progress, then publish final/ and the plot."""
+    from .local_processes import Supervisor, become_subreaper
+    from .local_progress import ProgressDisplay
+
+    storage = RunStorage(output_dir)
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        stop.set()
+
+    outcome = None
+    previous: dict[int, Any] = {}
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        for path, text in plan.files.items():
+            atomic_write_text(path, text)
+        if resume:
+            checkpoints = list_steps(storage.checkpoints_dir)
+            print(f"resuming {name} in {output_dir}: "
+                  + (f"latest checkpoint is step {checkpoints[-1]}" if checkpoints else "no checkpoint yet, "
+                     "starting from step 0"), file=out)
+        print(f"preparing the model for {name} ({run_spec['model']['name']}) ...", file=out, flush=True)
+        from .tiny_model import ensure_model
+
+        ensure_model(dict(run_spec), storage)
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        become_subreaper()
+        print(f"starting {len(plan.processes)} processes ({', '.join(p.name for p in plan.processes)}); "
+              f"logs in {output_dir / 'logs'}", file=out, flush=True)
+        orchestrators = plan.by_component(c.COMPONENT_ORCHESTRATOR)
+        port = orchestrators[0].env.get(c.ENV_METRICS_PORT) if orchestrators else None
+        supervisor = Supervisor(plan.processes, cwd=Path.cwd(), grace_seconds=grace_seconds)
+        display = ProgressDisplay(storage.metrics_file, f"http://{LOCAL_HOST}:{port}/metrics" if port else None,
+                                  int(run_spec["algorithm"]["maxSteps"]), [p.name for p in plan.processes], out)
+        with display:
+            supervisor.start()
+            outcome = supervisor.wait(stop, on_tick=lambda: display.update(supervisor.exits()))
+            display.update(supervisor.exits())
+    except KeyboardInterrupt:  # Ctrl-C while the model is being built: no role has started yet
+        received.append(signal.SIGINT)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    final_step = publish_final(storage, output_dir / "final") if outcome is not None and outcome.success else None
+    plot = write_plot(storage, output_dir / "plot.png", title=name)
+    if outcome is not None and outcome.success:
+        print(f"run {name} succeeded: {outcome.reason}", file=out)
+        _print_summary(out, storage, output_dir, final_step, plot)
+        return EXIT_OK
+    if received:
+        print(f"rlrun local: interrupted by {signal.Signals(received[0]).name}; every role was stopped; "
+              f"continue with --resume --output-dir {output_dir}", file=err)
+        return 128 + received[0]
+    assert outcome is not None
+    print(f"rlrun local: run {name} failed: {outcome.reason}", file=err)
+    if outcome.failed:
+        log = next(p.log_path for p in plan.processes if p.name == outcome.failed)
+        print(f"last lines of {log}:", file=err)
+        for line in outcome.log_tail:
+            print(f"  {line}", file=err)
+    print(f"every role was stopped; checkpoints stay in {storage.checkpoints_dir}; continue with --resume "
+          f"--output-dir {output_dir}", file=err)
+    return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""The process supervisor of ``rlrun local``: start every pod as a process group, stop them all.
+
+Every process starts in its own session (``start_new_session``: a new process group led by it) with
+stdout and stderr appended to its log file. Stopping sends SIGTERM to the whole group, waits a grace
+period, then SIGKILLs the group, so that helpers a role started (vLLM's engine-core process, torchrun's
+workers) go with it. Groups are stopped even after their leader exited, because its children may live on,
+and every descendant seen while the run went on is tracked by pid and start time and killed too (torchrun
+starts its workers in sessions of their own). ``become_subreaper`` keeps orphaned descendants under
+``rlrun local`` so that they stay visible.
+
+What an exit means follows the workload it came from (what the Kubernetes controllers would do):
+
+- the Job's process (the orchestrator) exiting 0: the run succeeded; the others are stopped gracefully;
+- a StatefulSet process (the trainer) exiting 0: it finished its steps; the run goes on;
+- any other exit (non-zero or killed by a signal from any role, any exit of a Deployment's long-running
+  server): the run failed; everything is stopped and the role is named with its last log lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence
+
+from .local_plan import ProcessSpec
+
+DEFAULT_GRACE_SECONDS = 15.0
+LOG_TAIL_LINES = 20
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a supervised run ended.
+
+    Attributes:
+        success: the Job process exited 0.
+        reason: one line for the user.
+        failed: the process whose exit ended the run (None for success or an interrupt).
+        returncode: its exit code (negative: killed by that signal).
+        log_tail: its last log lines.
+    """
+
+    success: bool
+    reason: str
+    failed: str | None = None
+    returncode: int | None = None
+    log_tail: tuple[str, ...] = ()
+
+
+def get_outcome(specs: Sequence[ProcessSpec], exits: Mapping[str, int]) -> Outcome | None:
+    """Decide whether the run is over from the exits seen so far (pure; rules in the module docstring).
+
+    Args:
+        specs: every process of the run.
+        exits: process name -> exit code of the processes that exited (negative: killed by a signal).
+
+    Returns:
+        None while the run goes on, else the Outcome (without log lines).
+    """
+    for spec in specs:
+        code = exits.get(spec.name)
+        if code is None:
+            continue
+        if code != 0:
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            return Outcome(False, f"{spec.name} ({spec.component or spec.workload_kind}) {how}", spec.name, code)
+        if spec.workload_kind == "Deployment":
+            return Outcome(False, f"{spec.name} ({spec.component or 'server'}) exited while the run was going on",
+                           spec.name, code)
+    jobs = [s for s in specs if s.workload_kind == "Job"]
+    if jobs and all(exits.get(s.name) == 0 for s in jobs):
+        return Outcome(True, f"{', '.join(s.name for s in jobs)} finished")
+    return None
+
+
+def tail_lines(path: Path, count: int = LOG_TAIL_LINES, max_bytes: int = 65536) -> tuple[str, ...]:
+    """The last ``count`` lines of a text file (reading at most its last ``max_bytes``); () if missing."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - max_bytes))
+            data = handle.read()
+    except OSError:
+        return ()
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    return tuple(lines[-count:])
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    """One row of the process table: parent pid, process group, state letter (Z = zombie), start time."""
+
+    ppid: int
+    pgid: int
+    state: str
+    start_time: int
+
+
+def read_process_table() -> dict[int, ProcInfo]:
+    """pid -> ProcInfo of every process visible in /proc (empty where /proc is unavailable)."""
+    table: dict[int, ProcInfo] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                text = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            # proc(5): "pid (comm) state ppid pgrp session tty_nr tpgid flags minflt cminflt majflt cmajflt
+            # utime stime cutime cstime priority nice num_threads itrealvalue starttime ..."
+            fields = text.rsplit(")", 1)[1].split()
+            table[int(entry)] = ProcInfo(int(fields[1]), int(fields[2]), fields[0], int(fields[19]))
+    return table
+
+
+def get_descendants(roots: Iterable[int], table: Mapping[int, ProcInfo]) -> set[int]:
+    """Every pid in ``table`` below one of ``roots`` in the parent tree (roots excluded) (pure)."""
+    children: dict[int, list[int]] = {}
+    for pid, info in table.items():
+        children.setdefault(info.ppid, []).append(pid)
+    found: set[int] = set()
+    stack = list(roots)
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def _live(pid: int, start_time: int, table: Mapping[int, ProcInfo]) -> bool:
+    info = table.get(pid)
+    return info is not None and info.start_time == start_time and info.state != "Z"
+
+
+def group_alive(pgid: int, table: Mapping[int, ProcInfo] | None = None) -> bool:
+    """Whether a live (non-zombie) process of group ``pgid`` exists."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    table = read_process_table() if table is None else table
+    return any(info.pgid == pgid and info.state != "Z" for info in table.values())
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``).
+
+    A role whose parent dies (torchrun's workers, which run in sessions of their own; vLLM's engine core)
+    is then re-parented to ``rlrun local`` instead of init, so the supervisor still finds and stops it.
+    Returns False where the call is unavailable (non-Linux).
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER = 36 (linux/prctl.h)
+    except (OSError, AttributeError):
+        return False
+
+
+@dataclass
+class _Running:
+    spec: ProcessSpec
+    popen: subprocess.Popen[bytes]
+    returncode: int | None = None
+
+
+@dataclass
+class Supervisor:
+    """Runs a set of processes as one unit.
+
+    Besides each process group it tracks every descendant it has seen (pid and start time, refreshed at
+    each check), because some helpers leave the group: torchrun starts its workers in sessions of their
+    own. ``stop`` kills those too, so nothing outlives the run.
+
+    Args:
+        specs: what to start (``ProcessSpec`` from local_plan), in start order.
+        cwd: working directory of every process (None: the caller's).
+        grace_seconds: how long SIGTERMed groups get before SIGKILL.
+        poll_seconds: how often exits are checked.
+    """
+
+    specs: Sequence[ProcessSpec]
+    cwd: Path | None = None
+    grace_seconds: float = DEFAULT_GRACE_SECONDS
+    poll_seconds: float = 0.5
+    _running: list[_Running] = field(default_factory=list)
+    _known: dict[int, int] = field(default_factory=dict)  # descendant pid -> start time
+
+    def start(self) -> None:
+        """Start every process (own session, output appended to its log). On a start error, stop the others
+        and re-raise (FileNotFoundError when argv[0] is not found)."""
+        for spec in self.specs:
+            spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with open(spec.log_path, "ab") as log:
+                    log.write(f"=== rlrun local: {time.strftime('%Y-%m-%d %H:%M:%S')} starting {spec.name}: "
+                              f"{' '.join(spec.argv)}\n".encode())
+                    log.flush()
+                    popen = subprocess.Popen(
+                        list(spec.argv), env=dict(spec.env), cwd=self.cwd, stdin=subprocess.DEVNULL,
+                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            except OSError:
+                self.stop()
+                raise
+            self._running.append(_Running(spec, popen))
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """Process name -> pid (= its process group id) of every started process."""
+        return {r.spec.name: r.popen.pid for r in self._running}
+
+    def exits(self) -> dict[str, int]:
+        """Process name -> exit code of the processes that have exited so far (reaps them)."""
+        for running in self._running:
+            if running.returncode is None:
+                running.returncode = running.popen.poll()
+        return {r.spec.name: r.returncode for r in self._running if r.returncode is not None}
+
+    def _refresh(self) -> dict[int, ProcInfo]:
+        """Re-read the process table; remember new descendants, forget dead ones; return the table."""
+        table = read_process_table()
+        self._known = {pid: t for pid, t in self._known.items() if _live(pid, t, table)}
+        roots = [r.popen.pid for r in self._running] + list(self._known)
+        for pid in get_descendants(roots, table):
+            if pid not in self._known and table[pid].state != "Z":
+                self._known[pid] = table[pid].start_time
+        return table
+
+    def check(self) -> Outcome | None:
+        """The run's outcome if it is decided now (with the failed role's log tail), else None."""
+        self._refresh()
+        outcome = get_outcome(self.specs, self.exits())
+        if outcome is not None and outcome.failed is not None:
+            spec = next(s for s in self.specs if s.name == outcome.failed)
+            outcome = Outcome(outcome.success, outcome.reason, outcome.failed, outcome.returncode,
+                              tail_lines(spec.log_path))
+        return outcome
+
+    def wait(self, stop_event: threading.Event | None = None,
+             on_tick: Callable[[], None] | None = None, tick_seconds: float = 1.0) -> Outcome:
+        """Watch the processes until the outcome is decided or ``stop_event`` is set, then stop them all.
+
+        ``on_tick`` (e.g. the progress display) is called about every ``tick_seconds``; an exception in
+        it propagates after the processes are stopped.
+        """
+        stop_event = stop_event or threading.Event()
+        last_tick = 0.0
+        try:
+            while True:
+                outcome = self.check()
+                if outcome is not None:
+                    return outcome
+                if stop_event.is_set():
+                    return Outcome(False, "interrupted; stopping every role")
+                now = time.monotonic()
+                if on_tick is not None and now - last_tick >= tick_seconds:
+                    last_tick = now
+                    on_tick()
+                stop_event.wait(self.poll_seconds)
+        finally:
+            self.stop()
+
+    def alive(self) -> list[int]:
+        """Pids of live (non-zombie) processes of the run: group members and tracked descendants."""
+        table = self._refresh()
+        groups = {r.popen.pid for r in self._running}
+        out = {pid for pid, info in table.items() if info.pgid in groups and info.state != "Z"}
+        out |= {pid for pid, t in self._known.items() if _live(pid, t, table)}
+        return sorted(out)
+
+    def stop(self) -> None:
+        """SIGTERM every process group, wait up to ``grace_seconds``, SIGKILL what is left; reap everything."""
+        self._refresh()
+        groups = [r.popen.pid for r in self._running]
+        for pgid in groups:
+            _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_seconds
+        while time.monotonic() < deadline and self.alive():
+            self.exits()
+            time.sleep(0.1)
+        for _ in range(50):
+            left = self.alive()
+            if not left:
+                break
+            for pgid in groups:
+                _signal_group(pgid, signal.SIGKILL)
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            self.exits()
+            _reap_orphans(set(groups))
+            time.sleep(0.1)
+        for running in self._running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                running.popen.wait(timeout=5)
+        self.exits()
+        _reap_orphans(set(groups))
+
+
+def _reap_orphans(ours: set[int]) -> None:
+    """Reap zombie children other than ``ours`` (Popen's own, which Popen must reap to keep their exit
+    codes): orphans re-parented to this process when it is a subreaper."""
+    me = os.getpid()
+    for pid, info in read_process_table().items():
+        if info.ppid == me and info.state == "Z" and pid not in ours:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)

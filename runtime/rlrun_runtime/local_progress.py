@@ -1,0 +1,289 @@
+"""Live progress of ``rlrun local``: what the run has done, read from its files and metrics endpoints.
+
+Sources: ``metrics.jsonl`` (the trainer's one line per step: ``step``, ``reward_mean``, ``mismatch_kl``,
+``policy_version``, ``tokens_per_second``, ...) and the orchestrator's Prometheus endpoint
+(``constants.METRIC_*``: step, policy version loaded by every server, last reward, weight update in
+flight). ``get_progress`` and ``render_line`` are pure; :class:`MetricsTail` and ``scrape`` do the I/O;
+:class:`ProgressDisplay` shows a rich live panel on a terminal and plain lines otherwise (CI logs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence, TextIO
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from rlrun_operator import constants as c
+
+SCRAPE_TIMEOUT_S = 0.5
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A snapshot of the run.
+
+    Attributes:
+        step: last trainer step written to metrics.jsonl (0 before the first).
+        max_steps: spec.algorithm.maxSteps.
+        reward: reward_mean of that step (None before the first).
+        mismatch_kl: mismatch_kl of that step.
+        tokens_per_second: the trainer's tokens/s of that step.
+        loaded_version: policy version every inference server has loaded (orchestrator metric; None
+            while unknown).
+        policy_lag: step - loaded_version, in steps (how far inference trails the trainer).
+        weight_update_in_flight: the orchestrator has paused the servers to load weights.
+        eta_seconds: remaining steps x mean seconds per step so far (None before two steps).
+        elapsed_seconds: since the run started.
+    """
+
+    step: int
+    max_steps: int
+    reward: float | None
+    mismatch_kl: float | None
+    tokens_per_second: float | None
+    loaded_version: int | None
+    policy_lag: int | None
+    weight_update_in_flight: bool
+    eta_seconds: float | None
+    elapsed_seconds: float
+
+
+def parse_metrics_lines(text: str) -> list[dict[str, Any]]:
+    """JSON objects of the complete lines of ``text`` (blank or malformed lines are skipped) (pure)."""
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sample name -> value of a Prometheus text exposition (labels ignored, last sample wins) (pure).
+
+    Uses prometheus_client's parser; sample names keep their ``_total`` suffix (the parser drops it from
+    family names only).
+    """
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = float(sample.value)
+    return values
+
+
+def _number(row: Mapping[str, Any], key: str) -> float | None:
+    value = row.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return None
+    return float(value)
+
+
+def get_progress(rows: Sequence[Mapping[str, Any]], orchestrator: Mapping[str, float], max_steps: int,
+                 step_times: Mapping[int, float], started_at: float, now: float) -> Progress:
+    """Summarise the run (pure).
+
+    Args:
+        rows: metrics.jsonl rows so far, in file order (a resumed run may repeat a step: the last wins).
+        orchestrator: the orchestrator's scraped metrics (``parse_prometheus``), {} when unreachable.
+        max_steps: spec.algorithm.maxSteps.
+        step_times: step -> monotonic time at which its row was first seen.
+        started_at, now: monotonic seconds.
+
+    Returns:
+        Progress; ETA = (max_steps - step) x (t(last step) - t(first step seen)) / (steps between them).
+    """
+    last = rows[-1] if rows else {}
+    step = int(_number(last, "step") or 0)
+    loaded = orchestrator.get(c.METRIC_POLICY_VERSION)
+    loaded_version = int(loaded) if loaded is not None else None
+    if step == 0 and orchestrator.get(c.METRIC_STEP) is not None:
+        step = int(orchestrator[c.METRIC_STEP])
+    eta = None
+    if len(step_times) >= 2:
+        first, latest = min(step_times), max(step_times)
+        per_step = (step_times[latest] - step_times[first]) / (latest - first) if latest > first else None
+        if per_step is not None:
+            eta = max(0, max_steps - step) * per_step
+    reward = _number(last, "reward_mean")
+    if reward is None and c.METRIC_LAST_REWARD in orchestrator:
+        reward = orchestrator[c.METRIC_LAST_REWARD]
+    return Progress(
+        step=step,
+        max_steps=max_steps,
+        reward=reward,
+        mismatch_kl=_number(last, "mismatch_kl"),
+        tokens_per_second=_number(last, "tokens_per_second"),
+        loaded_version=loaded_version,
+        policy_lag=step - loaded_version if loaded_version is not None else None,
+        weight_update_in_flight=bool(orchestrator.get(c.METRIC_WEIGHT_UPDATE_IN_FLIGHT, 0)),
+        eta_seconds=eta,
+        elapsed_seconds=now - started_at,
+    )
+
+
+def format_duration(seconds: float | None) -> str:
+    """``1m05s`` style; ``?`` for None (pure)."""
+    if seconds is None:
+        return "?"
+    seconds = int(round(seconds))
+    minutes, secs = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render_line(progress: Progress) -> str:
+    """One plain line: ``step 3/40 reward 0.412 mismatch_kl 0.0012 tokens/s 850 lag 1 eta 2m10s`` (pure)."""
+    parts = [
+        f"step {progress.step}/{progress.max_steps}",
+        f"reward {_fmt(progress.reward, '.3f')}",
+        f"mismatch_kl {_fmt(progress.mismatch_kl, '.4f')}",
+        f"tokens/s {_fmt(progress.tokens_per_second, '.0f')}",
+        f"lag {progress.policy_lag if progress.policy_lag is not None else '-'}",
+        f"elapsed {format_duration(progress.elapsed_seconds)}",
+        f"eta {format_duration(progress.eta_seconds)}",
+    ]
+    if progress.weight_update_in_flight:
+        parts.append("(loading weights)")
+    return " ".join(parts)
+
+
+class MetricsTail:
+    """Reads the rows appended to a metrics.jsonl since the last call (a partial last line waits)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._offset = 0
+        self.rows: list[dict[str, Any]] = []
+
+    def poll(self) -> list[dict[str, Any]]:
+        """New complete rows (also appended to ``self.rows``)."""
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self._offset)
+                data = handle.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        new = parse_metrics_lines(data[:end].decode("utf-8", errors="replace"))
+        self.rows.extend(new)
+        return new
+
+
+def scrape(url: str, timeout: float = SCRAPE_TIMEOUT_S) -> dict[str, float]:
+    """GET a Prometheus endpoint and parse it; {} when it does not answer (yet)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return parse_prometheus(response.read().decode("utf-8", errors="replace"))
+    except (urllib.error.URLError, OSError, ValueError):
+        return {}
+
+
+class ProgressDisplay:
+    """Shows progress while the run goes on: a rich live panel on a TTY, else a line per new step.
+
+    Args:
+        metrics_file: the run's metrics.jsonl.
+        orchestrator_url: the orchestrator's /metrics URL (None: metrics.jsonl only).
+        max_steps: spec.algorithm.maxSteps.
+        roles: process names shown with their state in the panel.
+        stream: where to write (default stdout).
+    """
+
+    def __init__(self, metrics_file: Path, orchestrator_url: str | None, max_steps: int,
+                 roles: Sequence[str] = (), stream: TextIO | None = None):
+        self.tail = MetricsTail(metrics_file)
+        self.orchestrator_url = orchestrator_url
+        self.max_steps = max_steps
+        self.roles = list(roles)
+        self.stream = stream or sys.stdout
+        self.started_at = time.monotonic()
+        self.step_times: dict[int, float] = {}
+        self.progress: Progress | None = None
+        self._last_printed_step: int | None = None
+        self._live: Any = None
+        self._exited: dict[str, int] = {}
+
+    @property
+    def is_tty(self) -> bool:
+        return bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def __enter__(self) -> "ProgressDisplay":
+        if self.is_tty:
+            from rich.console import Console
+            from rich.live import Live
+
+            self._live = Live(self._renderable(), console=Console(file=self.stream), refresh_per_second=2,
+                              transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.update(self._renderable())
+            self._live.__exit__(None, None, None)
+            self._live = None
+
+    def update(self, exited: Mapping[str, int] | None = None) -> Progress:
+        """Read new metrics, scrape the orchestrator, refresh the display; returns the snapshot."""
+        now = time.monotonic()
+        for row in self.tail.poll():
+            step = _number(row, "step")
+            if step is not None:
+                self.step_times.setdefault(int(step), now)
+        orchestrator = scrape(self.orchestrator_url) if self.orchestrator_url else {}
+        self.progress = get_progress(self.tail.rows, orchestrator, self.max_steps, self.step_times,
+                                     self.started_at, now)
+        self._exited = dict(exited or {})
+        if self._live is not None:
+            self._live.update(self._renderable())
+        elif self.progress.step != self._last_printed_step and self.progress.step > 0:
+            self._last_printed_step = self.progress.step
+            print(render_line(self.progress), file=self.stream, flush=True)
+        return self.progress
+
+    def _renderable(self) -> Any:
+        from rich.panel import Panel
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table
+
+        progress = self.progress
+        table = Table.grid(padding=(0, 2))
+        table.add_column(style="bold")
+        table.add_column()
+        if progress is None:
+            table.add_row("status", "starting roles (vLLM takes ~40 s on CPU)")
+        else:
+            bar = ProgressBar(total=max(1, progress.max_steps), completed=progress.step, width=40)
+            table.add_row("step", f"{progress.step}/{progress.max_steps}")
+            table.add_row("", bar)
+            table.add_row("reward", _fmt(progress.reward, ".3f"))
+            table.add_row("mismatch KL", _fmt(progress.mismatch_kl, ".4f"))
+            table.add_row("tokens/s", _fmt(progress.tokens_per_second, ".0f"))
+            lag = "-" if progress.policy_lag is None else f"{progress.policy_lag} (servers at v{progress.loaded_version})"
+            table.add_row("policy lag", lag + (" loading weights" if progress.weight_update_in_flight else ""))
+            table.add_row("elapsed / eta", f"{format_duration(progress.elapsed_seconds)} / "
+                                           f"{format_duration(progress.eta_seconds)}")
+        exited = self._exited
+        if self.roles:
+            table.add_row("roles", ", ".join(
+                f"{name} ({'exit ' + str(exited[name]) if name in exited else 'running'})" for name in self.roles))
+        return Panel(table, title="rlrun local", expand=False)
