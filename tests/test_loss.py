@@ -1,0 +1,132 @@
+"""The importance-sampled policy-gradient loss: a hand-computed example, ratio masking, invariance of the loss
+and its gradients to micro-batch split, padding and rank split (through a real Qwen3 forward)."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from rlrun_runtime.loss import LossMetrics, policy_loss, token_logprobs
+from rlrun_runtime.packing import count_loss_tokens, get_micro_batch, get_micro_batches
+from rlrun_runtime.trainer import TrainerConfig, get_micro_batch_loss
+from tiny_qwen3 import VOCAB, make_model
+
+# One row: three in-band tokens, one token whose ratio exp(-3) = 0.0498 is below ratio_low 0.125, and a
+# padding position (mask False) holding garbage that must not matter.
+LT = [-1.0, -2.0, -0.5, -3.0, 50.0]
+LI = [-1.0, -1.5, -0.5, 0.0, -90.0]
+MASK = [True, True, True, True, False]
+ADV = 2.0
+
+
+def _hand_example(kl_coef):
+    lt = torch.tensor([LT], requires_grad=True)
+    loss, metrics = policy_loss(lt, torch.tensor([LI]), torch.full((1, 5), ADV), torch.tensor([MASK]),
+                                total_loss_tokens=4, ratio_low=0.125, ratio_high=8.0, kl_coef=kl_coef)
+    loss.backward()
+    return loss, metrics, lt.grad[0].tolist()
+
+
+def test_hand_computed_loss_and_gradient():
+    loss, metrics, grad = _hand_example(kl_coef=0.0)
+    # ratios 1, e^-0.5 = 0.60653066, 1, (masked); loss = -(2 * 1 + 2 * 0.60653066 + 2 * 1) / 4
+    assert loss.item() == pytest.approx(-1.30326533, abs=1e-7)
+    # d/dlt(-r * A / N) = -A * r / N; the masked token and the padding get exactly zero
+    assert grad == pytest.approx([-0.5, -0.30326533, -0.5, 0.0, 0.0], abs=1e-7)
+    # k3 = r - 1 - log r: 0, 0.10653066, 0, 2.04978707 (the masked token still counts in the metric)
+    assert metrics.mismatch_kl == pytest.approx((0.10653066 + 2.04978707) / 4, abs=1e-7)
+    assert metrics.masked_fraction == 0.25
+    assert metrics.ratio_mean == pytest.approx((1 + 0.60653066 + 1 + 0.04978707) / 4, abs=1e-7)
+    assert metrics.advantage_mean == pytest.approx(2.0)
+
+
+def test_hand_computed_kl_penalty():
+    loss, _, grad = _hand_example(kl_coef=0.1)
+    # + 0.1 * 0.10653066 / 4 on the loss; + 0.1 * (r - 1) / 4 on token 1's gradient
+    assert loss.item() == pytest.approx(-1.30060206, abs=1e-7)
+    assert grad == pytest.approx([-0.5, -0.31310206, -0.5, 0.0, 0.0], abs=1e-7)
+
+
+def test_ratio_band_masks_high_and_low_and_never_nans():
+    lt = torch.tensor([[0.0, 0.0, 0.0, 0.0]], requires_grad=True)
+    # log ratios: 0 (in), log 9 (above 8), log 0.1 (below 0.125), 200 (overflows exp in float32)
+    li = torch.tensor([[0.0, -math.log(9.0), -math.log(0.1), -200.0]])
+    loss, metrics = policy_loss(lt, li, torch.ones(1, 4), torch.ones(1, 4, dtype=torch.bool), 4, 0.125, 8.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(-0.25)
+    assert lt.grad[0].tolist() == pytest.approx([-0.25, 0.0, 0.0, 0.0])
+    assert torch.isfinite(lt.grad).all()
+    assert metrics.masked_fraction == 0.75
+
+
+def test_temperature_logprobs_match_manual_softmax():
+    logits = torch.randn(2, 3, 7)
+    targets = torch.randint(0, 7, (2, 3))
+    got = token_logprobs(logits, targets, temperature=0.7)
+    expected = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(got, expected)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(logits, targets, temperature=0.0)
+
+
+def test_shape_mismatch_raises():
+    with pytest.raises(ValueError, match="advantages has shape"):
+        policy_loss(torch.zeros(1, 3), torch.zeros(1, 3), torch.zeros(1, 2), torch.ones(1, 3, dtype=torch.bool), 3)
+
+
+def _samples(count=7, seed=1):
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        prompt = [rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 6))]
+        completion = [rng.randrange(2, VOCAB) for _ in range(rng.randint(0 if i == 3 else 1, 9))]
+        # near the model's own logprobs (about log 1/64) with noise, some leaving the trust band
+        # (every 4th token claims probability 0.99 at inference: ratio ~ 1/64 / 0.99, below ratio_low)
+        lps = [-0.01 if j % 4 == 3 else -math.log(VOCAB) + rng.uniform(-0.5, 0.5) for j in range(len(completion))]
+        out.append({"prompt_ids": prompt, "completion_ids": completion, "inference_logprobs": lps,
+                    "advantage": rng.uniform(-1, 1), "reward": 0.0})
+    return out
+
+
+CFG = TrainerConfig(max_steps=1, micro_batch_size=1, learning_rate=1e-3, weight_decay=0.0, max_grad_norm=1.0,
+                    lr_schedule="constant", lr_warmup_steps=0, temperature=0.8, ratio_low=0.125, ratio_high=8.0,
+                    kl_coef=0.05, checkpoint_interval=1, checkpoint_keep=1, dtype="float32", use_gpu=False)
+
+
+def _loss_and_grads(model, micro_batches, total):
+    model.zero_grad(set_to_none=True)
+    loss_sum, metrics = 0.0, LossMetrics()
+    for mb in micro_batches:
+        loss, m = get_micro_batch_loss(model, mb, total, CFG, torch.device("cpu"))
+        loss.backward()
+        loss_sum += loss.item()
+        metrics = metrics + m
+    return loss_sum, metrics, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(60)
+def test_loss_and_gradients_invariant_to_micro_batching_padding_and_ranks():
+    model = make_model(seed=3)
+    samples = _samples()
+    total = count_loss_tokens(samples)
+    full_loss, full_metrics, full_grads = _loss_and_grads(model, [get_micro_batch(samples)], total)
+    assert full_metrics.masked_fraction > 0  # the noisy example exercises the trust band
+    assert any(g.abs().sum() > 0 for g in full_grads.values())
+    splits = {
+        "mbs=1": get_micro_batches(samples, 1),
+        "mbs=3": get_micro_batches(samples, 3),
+        # two data-parallel ranks, 2 samples per micro-batch, gradients summed over the ranks
+        "2 ranks": get_micro_batches(samples, 2, rank=0, world_size=2)
+        + get_micro_batches(samples, 2, rank=1, world_size=2),
+        # extra padding: a 40-token dummy row of pure prompt widens every row of the micro-batch
+        "padded": [get_micro_batch(samples + [{"prompt_ids": [5] * 40, "completion_ids": [],
+                                               "inference_logprobs": [], "advantage": 0.0}])],
+    }
+    for name, mbs in splits.items():
+        loss, metrics, grads = _loss_and_grads(model, mbs, total)
+        assert loss == pytest.approx(full_loss, abs=1e-6), name
+        assert metrics.mismatch_kl == pytest.approx(full_metrics.mismatch_kl, abs=1e-6), name
+        assert metrics.masked_fraction == pytest.approx(full_metrics.masked_fraction, abs=1e-9), name
+        for key, grad in grads.items():
+            torch.testing.assert_close(grad, full_grads[key], atol=2e-6, rtol=1e-4, msg=f"{name}: {key}")
