@@ -117,6 +117,8 @@ def test_rule_compiles_and_names_a_declared_field(rule: cel.Rule) -> None:
     for key in filter(None, rule.field_path.split(".")):
         node = node["properties"][key]  # KeyError: fieldPath names an undeclared field
     assert rule.message and rule.message != rule.rule
+    # the API server rejects messages with line breaks or surrounding blanks
+    assert "\n" not in rule.message and rule.message == rule.message.strip()
     assert re.search(r"\b(set|raise|lower|change|enable|drop|list|use|give)\b", rule.message), \
         f"message of {rule.rule!r} does not say how to fix it"
 

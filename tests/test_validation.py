@@ -244,3 +244,54 @@ def test_load_documents_reads_every_rlrun_of_a_stream(tmp_path) -> None:
     bad = write(tmp_path, tiny + "---\napiVersion: v1\nkind: Pod\n", "mixed.yaml")
     with pytest.raises(SpecFileError, match=r"\(document 2\)"):
         load_documents(bad)
+
+
+# --- the CEL walker on shapes the CRD does not use yet ---------------------------------------------
+
+def test_cel_rules_on_list_items_and_map_values_with_message_expression() -> None:
+    from rlrun_operator import cel
+
+    schema = {"type": "object", "properties": {
+        "pools": {"type": "array", "items": {
+            "type": "object", "properties": {"min": {"type": "integer"}, "max": {"type": "integer"}},
+            "x-kubernetes-validations": [{"rule": "self.min <= self.max", "fieldPath": ".min",
+                                          "messageExpression": "'min ' + string(self.min) + ' > max'"}]}},
+        "weights": {"type": "object", "additionalProperties": {
+            "type": "number", "x-kubernetes-validations": [{"rule": "self < 1.0", "message": "lower it"}]}},
+        "transition": {"type": "integer", "x-kubernetes-validations": [{"rule": "self >= oldSelf"}]},
+    }}
+    obj = {"pools": [{"min": 1, "max": 2}, {"min": 5, "max": 2}], "weights": {"a": 0.5, "b": 3},
+           "transition": 1}
+    violations = cel.evaluate_rules(obj, schema)
+    assert [(v.path, v.message) for v in violations] == [("pools[1].min", "min 5 > max"),
+                                                        ("weights.b", "lower it")]
+    # a node that failed the schema is not evaluated
+    assert cel.evaluate_rules(obj, schema, frozenset({"pools[1].max"})) == [violations[1]]
+
+
+def test_rule_that_cannot_be_evaluated_is_an_error_not_an_exception() -> None:
+    from rlrun_operator import cel
+
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {}, "x-kubernetes-validations": [
+        {"rule": "self.missing > 0", "message": "set missing"}]}}}
+    [violation] = cel.evaluate_rules({"a": {}}, schema)
+    assert violation.path == "a" and violation.message.startswith("set missing (the rule could not be evaluated")
+
+
+# --- the name limit against the real renderer ------------------------------------------------------
+
+def test_longest_valid_name_keeps_every_rendered_child_within_kubernetes_limits(tiny_rlrun) -> None:
+    from rlrun_operator import render, spec
+
+    name = "a" * validation.max_name_length()
+    rlrun = spec.apply_defaults(mutate(tiny_rlrun, {"metadata.name": name, "metadata.namespace": "default",
+                                                    **DISAGG, **GPU_RUN}))
+    assert validate(rlrun) == []
+    children = render.render(rlrun)
+    assert children
+    for child in children:
+        child_name = child["metadata"]["name"]
+        assert child_name.startswith(name) and child_name[len(name):] in constants.CHILD_SUFFIXES, child_name
+        limit = constants.STATEFULSET_NAME_MAX_LENGTH if child["kind"] == "StatefulSet" \
+            else constants.DNS_LABEL_MAX_LENGTH
+        assert len(child_name) <= limit, child_name
