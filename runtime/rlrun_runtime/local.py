@@ -82,8 +82,8 @@ def load_run(file: str) -> dict[str, Any]:
     """Read, validate and default the RLRun in ``file``; metadata.namespace becomes "local".
 
     Raises:
-        LocalInputError: unreadable file, not exactly one RLRun, or validation errors (one
-            ``FILE: path: message`` line each).
+        LocalInputError: unreadable file, not exactly one RLRun, validation errors (one
+            ``FILE: path: message`` line each), or spec.suspend set.
     """
     from rlrun_operator import spec, validation
 
@@ -97,6 +97,9 @@ def load_run(file: str) -> dict[str, Any]:
     if errors:
         raise LocalInputError("\n".join(f"{file}: {error}" for error in errors))
     rlrun = spec.apply_defaults(docs[0])
+    if rlrun["spec"].get("suspend"):
+        raise LocalInputError(f"{file}: spec.suspend: true scales every role to zero, so nothing would run; "
+                              "set it to false to run the run locally")
     rlrun.setdefault("metadata", {})["namespace"] = LOCAL_NAMESPACE
     return rlrun
 
