@@ -9,7 +9,15 @@ the renderer what the API server would accept.
 from __future__ import annotations
 
 import copy
+import http.server
 import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -348,6 +356,12 @@ def test_router_may_only_get_list_watch_pods_in_its_namespace():
     assert env["RLRUN_NAMESPACE"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}
     service = one(objects, "Service", "qwen3-4b-math-router")
     assert sorted(p["port"] for p in service["spec"]["ports"]) == sorted([c.ROUTER_PORT, c.ROUTER_METRICS_PORT])
+    # vllm-router's /health turns 503 when any worker is unhealthy (measured with 0.1.17): liveness must not
+    # use it, or a restarting inference pod would get the router killed too.
+    container = pod["containers"][0]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/liveness"
+    assert container["startupProbe"]["httpGet"]["path"] == "/liveness"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readiness"
     # No other pod gets an API token: only the router talks to the Kubernetes API.
     for workload, template in pod_templates(objects):
         if workload["metadata"]["name"] != "qwen3-4b-math-router":
@@ -618,3 +632,81 @@ def test_property_any_valid_knob_setting_renders_valid_consistent_objects(
     assert deployments["qwen3-countdown-router"]["spec"]["replicas"] == (0 if suspend else 1)
     assert one(objects, "Job", "qwen3-countdown-orchestrator")["spec"]["suspend"] is suspend
     assert ("PersistentVolumeClaim" in {o["kind"] for o in objects}) is not claim
+
+
+# --- the router's probe paths against the real vllm-router ------------------------------------------
+
+class _Worker(http.server.BaseHTTPRequestHandler):
+    """Stands in for a vLLM server: 200 with an empty JSON object on every GET (/health included)."""
+
+    def do_GET(self):  # noqa: N802 (http.server's naming)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=3) as reply:
+            return reply.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def _wait_for(predicate, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return True
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.timeout(90)
+def test_router_probe_paths_behave_as_rendered_with_the_real_vllm_router():
+    """Liveness (/liveness) stays 200 when the only worker dies; readiness (/readiness) turns 503."""
+    probes = one(rendered("tiny"), "Deployment", "tiny-reverse-router")["spec"]["template"]["spec"]["containers"][0]
+    live, ready = probes["livenessProbe"]["httpGet"]["path"], probes["readinessProbe"]["httpGet"]["path"]
+    worker = http.server.HTTPServer(("127.0.0.1", 0), _Worker)
+    thread = threading.Thread(target=worker.serve_forever, daemon=True)
+    thread.start()
+    port, metrics_port = _free_port(), _free_port()
+    router = subprocess.Popen(
+        [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+         "--worker-urls", f"http://127.0.0.1:{worker.server_address[1]}",
+         "--health-check-interval-secs", "1", "--health-failure-threshold", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert _wait_for(lambda: _status(base + ready) == 200, 40), "router never became ready"
+        assert _status(base + live) == 200
+        worker.shutdown()
+        worker.server_close()
+        assert _wait_for(lambda: _status(base + ready) == 503, 30), "readiness ignored the dead worker"
+        assert _status(base + "/health") == 503  # why /health is not the liveness check
+        assert _status(base + live) == 200
+    finally:
+        router.terminate()
+        try:
+            router.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            router.kill()
+            router.wait()
+        if thread.is_alive():
+            worker.shutdown()

@@ -86,10 +86,11 @@ def get_resources(extra: dict[str, Any] | None, gpus: int) -> dict[str, Any]:
     return out
 
 
-def get_http_probes(path: str, port_name: str) -> dict[str, Any]:
-    """startupProbe, readinessProbe and livenessProbe, all ``httpGet path`` on the named container port."""
+def get_http_probes(path: str, port_name: str, readiness_path: str | None = None) -> dict[str, Any]:
+    """startupProbe, readinessProbe and livenessProbe: ``httpGet path`` on the named container port
+    (readiness on ``readiness_path`` when given)."""
 
-    def probe(failure_threshold: int) -> dict[str, Any]:
+    def probe(failure_threshold: int, path: str = path) -> dict[str, Any]:
         return {
             "httpGet": {"path": path, "port": port_name},
             "timeoutSeconds": PROBE_TIMEOUT_SECONDS,
@@ -99,7 +100,7 @@ def get_http_probes(path: str, port_name: str) -> dict[str, Any]:
 
     return {
         "startupProbe": probe(STARTUP_SECONDS // PERIOD_SECONDS),
-        "readinessProbe": probe(3),
+        "readinessProbe": probe(3, readiness_path or path),
         "livenessProbe": probe(LIVENESS_FAILURES),
     }
 

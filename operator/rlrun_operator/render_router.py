@@ -21,6 +21,11 @@ from .render_pod import env_value, get_http_probes, get_resources, render_contai
 PORT_HTTP = "http"
 PORT_METRICS = "metrics"
 ROUTER_DISCOVERY_KUBERNETES = "kubernetes"
+# vllm-router 0.1.17, measured: /liveness answers 200 while the process serves; /readiness 503 until a
+# worker is healthy; /health 503 as soon as ANY worker is unhealthy, so it must not be the liveness check
+# (an inference pod restarting would get the router killed).
+LIVENESS_PATH = "/liveness"
+READINESS_PATH = "/readiness"
 POD_DISCOVERY_RULES = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
 
 
@@ -57,7 +62,8 @@ def get_router_env() -> list[dict[str, Any]]:
 
 def render_router(rlrun: dict[str, Any], names: dict[str, str], claim_name: str) -> tuple[dict, dict]:
     """(Service, Deployment) named names["router"]: 1 replica (0 when spec.suspend), the router's own
-    ServiceAccount, ports ROUTER_PORT and ROUTER_METRICS_PORT, probes on vllm-router's /health."""
+    ServiceAccount, ports ROUTER_PORT and ROUTER_METRICS_PORT; liveness on /liveness, readiness on
+    /readiness (at least one healthy inference worker)."""
     spec = rlrun["spec"]
     run_name = rlrun["metadata"]["name"]
     name = names["router"]
@@ -69,7 +75,7 @@ def render_router(rlrun: dict[str, Any], names: dict[str, str], claim_name: str)
         role_env=get_router_env(),
         ports=ports,
         resources=get_resources(spec["router"].get("resources"), 0),
-        probes=get_http_probes("/health", PORT_HTTP),
+        probes=get_http_probes(LIVENESS_PATH, PORT_HTTP, READINESS_PATH),
         shm=False,
     )
     template = render_pod_template(
