@@ -295,3 +295,11 @@ def test_longest_valid_name_keeps_every_rendered_child_within_kubernetes_limits(
         limit = constants.STATEFULSET_NAME_MAX_LENGTH if child["kind"] == "StatefulSet" \
             else constants.DNS_LABEL_MAX_LENGTH
         assert len(child_name) <= limit, child_name
+
+
+def test_every_unknown_field_is_reported(tiny_rlrun) -> None:
+    errors = validate(mutate(tiny_rlrun, {"spec.trainer.gpus": 1, "spec.trainer.node": 1}))
+    assert [(e.path, e.message) for e in errors] == [
+        ("spec.trainer.gpus", "unknown field; did you mean 'gpusPerNode'?"),
+        ("spec.trainer.node", "unknown field; did you mean 'nodes'?"),
+    ]

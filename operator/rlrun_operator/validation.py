@@ -161,6 +161,30 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _closest(name: str, known: list[str]) -> str | None:
+    """The known field ``name`` most likely stands for: same letters in another case, a prefix of it
+    (``gpus`` -> ``gpusPerNode``), or the closest by difflib's ratio (>= 0.6); None when nothing is close."""
+    lower = name.lower()
+    for candidates in ([k for k in known if k.lower() == lower],
+                       [k for k in known if len(lower) >= 3 and k.lower().startswith(lower)]):
+        if candidates:
+            return candidates[0]
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _schema_errors(err: jsonschema.ValidationError) -> list[FieldError]:
+    if err.validator == "additionalProperties" and isinstance(err.instance, dict):
+        known = sorted((err.schema or {}).get("properties", {}))
+        out = []
+        for name in sorted(k for k in err.instance if k not in known):
+            close = _closest(name, known)
+            fix = f"did you mean {close!r}?" if close else f"remove it; known fields: {', '.join(known)}"
+            out.append(FieldError(_join(_path(err.absolute_path), name), f"unknown field; {fix}"))
+        return out
+    return [_schema_error(err)]
+
+
 def _schema_error(err: jsonschema.ValidationError) -> FieldError:
     path = _path(err.absolute_path)
     sub = err.schema if isinstance(err.schema, dict) else {}
@@ -170,13 +194,6 @@ def _schema_error(err: jsonschema.ValidationError) -> FieldError:
         desc = (sub.get("properties", {}).get(missing, {}) or {}).get("description", "")
         hint = f" ({desc.rstrip('.')})" if desc else ""
         return FieldError(_join(path, missing), f"is required; add it{hint}")
-    if kind == "additionalProperties":
-        known = sorted(sub.get("properties", {}))
-        unknown = sorted(k for k in got if k not in known) if isinstance(got, dict) else []
-        name = unknown[0] if unknown else "?"
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        fix = f"did you mean {close[0]!r}?" if close else f"remove it; known fields: {', '.join(known)}"
-        return FieldError(_join(path, name), f"unknown field; {fix}")
     if kind == "type":
         want = arg if isinstance(arg, str) else " or ".join(arg)
         article = "an" if want[0] in "aeiou" else "a"
@@ -208,7 +225,7 @@ def _schema_error(err: jsonschema.ValidationError) -> FieldError:
 
 def check_schema(rlrun: dict[str, Any]) -> list[FieldError]:
     """Errors of ``rlrun`` (already defaulted) against the CRD's openAPIV3Schema, sorted by path."""
-    errors = [_schema_error(e) for e in _validator().iter_errors(rlrun)]
+    errors = [f for e in _validator().iter_errors(rlrun) for f in _schema_errors(e)]
     return sorted(set(errors), key=lambda e: (e.path, e.message))
 
 
