@@ -143,3 +143,13 @@ def test_local_hands_every_argument_to_the_runtime() -> None:
                             text=True, timeout=120)
     assert ours.returncode == theirs.returncode == 0
     assert ours.stdout == theirs.stdout and ours.stdout
+
+
+def test_dash_reads_standard_input() -> None:
+    result = subprocess.run([str(RLRUN), "validate", "-"], input=TINY.read_text(), capture_output=True,
+                            text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (0, "-: OK\n")
+    result = subprocess.run([str(RLRUN), "validate", "-"], input="kind: [", capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and result.stdout.startswith("-: is not valid YAML")
+    assert "Traceback" not in result.stderr

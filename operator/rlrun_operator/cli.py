@@ -40,10 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("validate", help="check RLRun files (schema, CEL rules, semantic checks)")
-    p.add_argument("files", nargs="+", metavar="FILE", help="RLRun YAML file(s)")
+    p.add_argument("files", nargs="+", metavar="FILE", help="RLRun YAML file(s); - reads standard input")
 
     p = sub.add_parser("render", help="print the Kubernetes manifests the operator applies for an RLRun")
-    p.add_argument("file", metavar="FILE", help="RLRun YAML file (one document)")
+    p.add_argument("file", metavar="FILE", help="RLRun YAML file (one document); - reads standard input")
     p.add_argument("-n", "--namespace", help="namespace of the run (default: metadata.namespace or 'default')")
 
     sub.add_parser("crd", help="print the RLRun CustomResourceDefinition")
@@ -55,12 +55,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def read_documents(name: str) -> list[dict[str, Any]]:
+    """RLRun documents of the file ``name``, or of standard input when ``name`` is "-".
+
+    Raises:
+        validation.SpecFileError: see validation.load_documents.
+    """
+    if name == "-":
+        try:
+            text = sys.stdin.read()
+        except UnicodeDecodeError:
+            raise validation.SpecFileError("-: standard input is not UTF-8 text; pipe in RLRun YAML") from None
+        return validation.parse_documents(text, "-")
+    return validation.load_documents(name)
+
+
 def run_validate(files: list[str], out: TextIO) -> int:
     """Print ``FILE: OK`` or one ``FILE: path: message`` line per error; 0 when every file is valid, else 2."""
     status = EXIT_OK
     for name in files:
         try:
-            docs = validation.load_documents(name)
+            docs = read_documents(name)
         except validation.SpecFileError as exc:
             print(str(exc), file=out)
             status = EXIT_INVALID
@@ -94,7 +109,7 @@ def prepare_for_render(rlrun: dict[str, Any], namespace: str | None) -> dict[str
 def run_render(file: str, namespace: str | None, out: TextIO, err: TextIO) -> int:
     """Validate ``file`` (one RLRun) and print ``render.render()`` of it as a YAML stream; 0, or 2 on bad input."""
     try:
-        docs = validation.load_documents(file)
+        docs = read_documents(file)
     except validation.SpecFileError as exc:
         print(str(exc), file=err)
         return EXIT_INVALID

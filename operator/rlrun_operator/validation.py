@@ -13,13 +13,14 @@
    names). They run only when step 1 found nothing, because they read many fields at once and need them
    well typed; an error whose path a CEL rule already reported is not repeated.
 
+``status`` is not checked by ``validate()``: the API server ignores it in requests to the main resource.
+
 ``load_documents(path)`` reads RLRun documents from a YAML file for the CLI. The operator calls
 ``validate()`` on every object it sees, so ``validate()`` never raises, whatever dict it is given.
 """
 
 from __future__ import annotations
 
-import copy
 import datetime
 import difflib
 import functools
@@ -58,7 +59,7 @@ class SpecFileError(ValueError):
 # --- loading -------------------------------------------------------------------------------------
 
 def load_documents(path: str | Path) -> list[dict[str, Any]]:
-    """Read every YAML document of ``path`` and check that each one is an RLRun mapping.
+    """Read every YAML document of the file ``path`` and check that each one is an RLRun mapping.
 
     Empty documents (a trailing ``---``) are ignored. Returns at least one dict.
 
@@ -77,6 +78,16 @@ def load_documents(path: str | Path) -> list[dict[str, Any]]:
         raise SpecFileError(f"{path}: is not UTF-8 text; an RLRun file is YAML text") from None
     except OSError as exc:
         raise SpecFileError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    return parse_documents(text, str(path))
+
+
+def parse_documents(text: str, source: str) -> list[dict[str, Any]]:
+    """Parse YAML ``text`` into RLRun documents, as ``load_documents`` does; ``source`` names it in errors.
+
+    Raises:
+        SpecFileError: as ``load_documents``, less the file-system errors.
+    """
+    path = source
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:
@@ -224,7 +235,10 @@ def _schema_error(err: jsonschema.ValidationError) -> FieldError:
 
 
 def check_schema(rlrun: dict[str, Any]) -> list[FieldError]:
-    """Errors of ``rlrun`` (already defaulted) against the CRD's openAPIV3Schema, sorted by path."""
+    """Errors of ``rlrun`` (already defaulted) against the CRD's openAPIV3Schema, sorted by path.
+
+    Checks ``status`` too when present (useful for what the operator writes; ``validate`` leaves it out).
+    """
     errors = [f for e in _validator().iter_errors(rlrun) for f in _schema_errors(e)]
     return sorted(set(errors), key=lambda e: (e.path, e.message))
 
@@ -389,7 +403,9 @@ def _validate(rlrun: Any) -> list[FieldError]:
     if rlrun.get("kind") != constants.KIND:
         out.append(FieldError("kind", f"{_describe(rlrun.get('kind'))} is not an RLRun; set kind: "
                                       f"{constants.KIND}"))
-    defaulted = spec.apply_defaults(copy.deepcopy(rlrun))
+    # status is not user input: with the status subresource the API server ignores it in create/update
+    # requests (Kubernetes docs, "Status subresource"), so it is not checked here either.
+    defaulted = spec.apply_defaults({k: v for k, v in rlrun.items() if k != "status"})
     schema_errors = check_schema(defaulted)
     out += schema_errors
     cel_errors = check_cel(defaulted, frozenset(e.path for e in schema_errors))
