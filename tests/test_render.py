@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from rlrun_operator import constants as c
 from rlrun_operator import render as render_module
-from rlrun_operator.render import RenderError, get_child_names, get_config_hash, render
+from rlrun_operator.render import RESERVED_ENV_NAMES, RenderError, get_child_names, get_config_hash, render
 from rlrun_operator.sizing import size_pd
 from rlrun_operator.spec import apply_defaults
 from rlrun_operator.validation import validate
@@ -476,6 +476,15 @@ def test_every_pod_has_the_contract_env_mounts_probes_and_security(key):
         assert pod.get("imagePullSecrets") == rlrun["spec"].get("imagePullSecrets")
 
 
+@pytest.mark.parametrize("key", sorted(VARIANTS))
+def test_reserved_env_names_list_every_variable_rlrun_sets(key):
+    rlrun = defaulted(VARIANTS[key])
+    user = {e["name"] for e in rlrun["spec"]["pod"].get("env", [])}
+    for _, template in pod_templates(render(rlrun)):
+        names = {e["name"] for e in template["spec"]["containers"][0]["env"]} - user
+        assert names - {c.ENV_VLLM_CPU_KVCACHE_SPACE} <= RESERVED_ENV_NAMES
+
+
 def test_services_select_pods_that_declare_their_target_ports():
     for key in ("complete", "tiny"):
         objects = rendered(key)
@@ -547,6 +556,9 @@ def test_config_hash_follows_exactly_the_fields_each_role_reads():
         "prefill", "decode", "orchestrator"}
     assert changed(**{"algorithm.learningRate": 0.00001}) == {"trainer", "orchestrator"}
     assert changed(**{"router.policy": "round_robin"}) == {"router", "orchestrator"}
+    assert changed(**{"algorithm.sampling.temperature": 0.7}) == {"trainer", "orchestrator"}
+    assert changed(**{"environment.seed": 7}) == {"orchestrator"}
+    assert changed(**{"weightSync.transport": "nccl"}) == {"trainer", "prefill", "decode", "orchestrator"}
     assert changed(**{"model.maxModelLen": 16384}) == {"trainer", "prefill", "decode", "orchestrator"}
     # Replica seeds, autoscaling, resources and suspend never roll pods through the hash.
     assert changed(**{"inference.disaggregation.replicas": 3, "autoscaling.decode": {"min": 1, "max": 8}}) == set()
@@ -564,6 +576,9 @@ def test_spec_pod_env_may_not_replace_the_contract_but_may_tune_the_cpu_kv_cache
                                          {"name": "RLRUN_ROUTER_URL", "value": "http://elsewhere"}]})
     with pytest.raises(RenderError, match=r"spec\.pod\.env\[1\]\.name: RLRUN_ROUTER_URL .*remove it"):
         render(defaulted(rlrun))
+    # NNODES is only the trainer's, but spec.pod.env reaches every container: refused as well.
+    with pytest.raises(RenderError, match=r"spec\.pod\.env\[0\]\.name: NNODES "):
+        render(defaulted(variant("tiny", pod={"env": [{"name": "NNODES", "value": "3"}]})))
     rlrun = variant("tiny", pod={"env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "4"}]})
     deployment = one(render(defaulted(rlrun)), "Deployment", "tiny-reverse-inference")
     assert env_of(deployment["spec"]["template"]["spec"]["containers"][0])["VLLM_CPU_KVCACHE_SPACE"] == "4"
@@ -580,8 +595,8 @@ def test_names_that_cannot_name_the_children_are_rejected(name):
 
 
 def test_public_api():
-    assert render_module.__all__ == ["RenderError", "get_child_names", "get_config_hash", "get_inference_pools",
-                                     "render"]
+    assert render_module.__all__ == ["RESERVED_ENV_NAMES", "RenderError", "get_child_names", "get_config_hash",
+                                     "get_inference_pools", "render"]
     assert issubclass(RenderError, ValueError)
 
 

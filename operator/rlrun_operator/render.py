@@ -16,11 +16,12 @@ from .render_inference import get_inference_pools, render_inference
 from .render_metadata import RenderError, check_run_name, get_child_names
 from .render_network import render_network_policy
 from .render_orchestrator import render_orchestrator
+from .render_pod import RESERVED_ENV_NAMES, check_pod_env
 from .render_router import render_router, render_router_rbac
 from .render_storage import get_claim_name, render_pvc
 from .render_trainer import render_trainer
 
-__all__ = ["RenderError", "get_child_names", "get_config_hash", "get_inference_pools", "render"]
+__all__ = ["RESERVED_ENV_NAMES", "RenderError", "get_child_names", "get_config_hash", "get_inference_pools", "render"]
 
 # Kinds in the order render() returns (and the operator applies) them.
 APPLY_ORDER = (
@@ -63,6 +64,7 @@ def render(rlrun: dict[str, Any]) -> list[dict[str, Any]]:
     check_run_name(rlrun.get("metadata", {}).get("name"))
     if not rlrun.get("metadata", {}).get("namespace"):
         raise RenderError("metadata.namespace: missing; set the RLRun's namespace (or pass one on the command line)")
+    check_pod_env(rlrun["spec"])
     names = get_child_names(rlrun)
     claim_name = get_claim_name(rlrun, names["storage"])
 

@@ -39,10 +39,11 @@ _RESOURCES: tuple[Path, ...] = (
 
 # role -> (spec paths the role reads, paths removed from them again). A path () is the whole spec.
 CONFIG_HASH_VIEWS: dict[str, tuple[tuple[Path, ...], tuple[Path, ...]]] = {
-    # The inference role builds the vLLM command line: model, parallelism, KV connector, vllmArgs, and
-    # sampling-related server flags.
+    # The inference role builds the vLLM command line from model (name, revision, dtype, maxModelLen) and
+    # inference (parallelism, KV connector, vllmArgs); weightSync.transport decides how weights arrive.
+    # Sampling parameters travel with each request, so algorithm.sampling does not roll these pods.
     c.COMPONENT_INFERENCE: (
-        (("model",), ("inference",), ("algorithm", "sampling")),
+        (("model",), ("inference",), ("weightSync",)),
         _REPLICA_SEEDS + (("inference", "resources"),),
     ),
     # The router builds vllm-router's arguments: policy, extra args, P/D mode or not.
@@ -50,10 +51,11 @@ CONFIG_HASH_VIEWS: dict[str, tuple[tuple[Path, ...], tuple[Path, ...]]] = {
         (("router",), ("inference", "disaggregation", "enabled")),
         (("router", "resources"),),
     ),
-    # The trainer: the model, the loss and optimiser, its own layout, the weight transport, the task
-    # (for the tokenizer's chat template and data position), and the storage layout.
+    # The trainer: the model, the algorithm (loss, optimiser, schedule, sampling temperature for its
+    # logprobs), its own layout and checkpoints, and the weight transport. Storage paths reach it through
+    # the pod template (mount path, claim); the environment is the orchestrator's.
     c.COMPONENT_TRAINER: (
-        (("model",), ("algorithm",), ("trainer",), ("weightSync",), ("environment",), ("storage",)),
+        (("model",), ("algorithm",), ("trainer",), ("weightSync",)),
         (("trainer", "resources"),),
     ),
     # The orchestrator reads nearly everything; it is a Job, whose pod template is immutable, so the
