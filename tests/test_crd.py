@@ -164,3 +164,11 @@ def test_examples_cover_disaggregation_and_cpu() -> None:
     docs = {p.name: validation.load_documents(p)[0] for p in EXAMPLES}
     assert docs["rlrun-complete.yaml"]["spec"]["inference"]["disaggregation"]["enabled"] is True
     assert docs["rlrun-tiny.yaml"]["spec"]["trainer"]["gpusPerNode"] == 0
+
+
+def test_crd_object_is_a_valid_customresourcedefinition() -> None:
+    """The CRD document itself against the apiextensions.k8s.io/v1 schema (kubernetes-validate, strict):
+    catches misspelt keys such as `fieldpath` in a rule or a mistyped printer column."""
+    import kubernetes_validate
+
+    kubernetes_validate.validate(CRD, "1.37", strict=True)  # raises ValidationError
