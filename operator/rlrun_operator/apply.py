@@ -1,0 +1,258 @@
+"""Create-or-patch of a run's children: pure planning (`get_*`, `plan_*`) apart from the API calls (`apply_*`).
+
+Rules (docs/operator.md explains them):
+- A child is created when absent. When present, it is patched only if the hash of its rendered content
+  (stored on the child in constants.ANNOTATION_SPEC_HASH) differs from the rendered one, so a reconcile with
+  nothing to change makes no write call at all.
+- A patch is an RFC 6902 JSON patch guarded by a ``test`` of metadata.resourceVersion (a conflicting writer
+  makes it fail with 422; the child is then read again and re-planned). It sets our labels, annotations and
+  ownerReferences key by key and replaces each top-level field we render (each key of ``spec`` separately),
+  so fields set by the API server or by others (a Service's clusterIP, foreign labels) are left alone.
+- The replicas of the inference/prefill/decode Deployments are seeded from the render at creation only; a
+  patch never sends them (they belong to the operator's scaling decisions and to people), except that
+  suspend scales them to 0 after saving the live count in constants.ANNOTATION_REPLICAS_BEFORE_SUSPEND and
+  resume restores that count.
+- A Job's pod template is immutable: when the orchestrator Job's rendered content changes it is deleted
+  (background propagation) and created again; ``spec.suspend`` alone is patched in place.
+- A PersistentVolumeClaim is only ever created (its spec is immutable but for a resize, done by hand).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlrun_operator import constants
+from rlrun_operator.kubeapi import ApiError, KubeApi
+
+# Deployments whose replicas the operator owns after creation (seeded by render).
+SCALED_COMPONENTS = (constants.COMPONENT_INFERENCE, constants.COMPONENT_PREFILL, constants.COMPONENT_DECODE)
+# Kinds a spec change can make obsolete (deleted when no longer rendered). PVCs are never deleted.
+PRUNABLE_KINDS = ("ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Service", "NetworkPolicy",
+                  "StatefulSet", "Deployment", "Job")
+CREATE_ONLY_KINDS = ("PersistentVolumeClaim",)
+MAX_ATTEMPTS = 4
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to do with one child: ``action`` is create | patch | replace | none; ``body`` for create and
+    replace (the object to POST), ``ops`` for patch (a JSON patch)."""
+
+    action: str
+    body: dict[str, Any] | None = None
+    ops: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Result of applying one child: the action taken and the live object afterwards."""
+
+    kind: str
+    name: str
+    action: str
+    obj: dict[str, Any]
+
+
+def is_scaled(manifest: dict[str, Any]) -> bool:
+    """True for the Deployments whose replicas the operator keeps after creation (inference/prefill/decode)."""
+    labels = manifest.get("metadata", {}).get("labels") or {}
+    return manifest.get("kind") == "Deployment" and labels.get(constants.LABEL_COMPONENT) in SCALED_COMPONENTS
+
+
+def _volatile_spec_key(manifest: dict[str, Any]) -> str | None:
+    if is_scaled(manifest):
+        return "replicas"
+    if manifest.get("kind") == "Job":
+        return "suspend"
+    return None
+
+
+def get_spec_hash(manifest: dict[str, Any]) -> str:
+    """Stable hash (16 hex chars of SHA-256 over canonical JSON) of everything we render for a child, minus
+    the fields handled apart: a scaled Deployment's ``spec.replicas``, a Job's ``spec.suspend``, ``status``
+    and the hash annotation itself."""
+    body = copy.deepcopy(manifest)
+    body.pop("status", None)
+    (body.get("metadata", {}).get("annotations") or {}).pop(constants.ANNOTATION_SPEC_HASH, None)
+    volatile = _volatile_spec_key(manifest)
+    if volatile is not None:
+        body.get("spec", {}).pop(volatile, None)
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def get_creatable(manifest: dict[str, Any], suspended: bool) -> dict[str, Any]:
+    """The object to POST: the manifest with its spec-hash annotation; a scaled Deployment of a suspended
+    run starts at 0 replicas and remembers its seed in ANNOTATION_REPLICAS_BEFORE_SUSPEND."""
+    body = copy.deepcopy(manifest)
+    annotations = body.setdefault("metadata", {}).setdefault("annotations", {})
+    annotations[constants.ANNOTATION_SPEC_HASH] = get_spec_hash(manifest)
+    if suspended and is_scaled(manifest):
+        seed = int(manifest.get("spec", {}).get("replicas", 1) or 0)
+        if seed > 0:
+            annotations[constants.ANNOTATION_REPLICAS_BEFORE_SUSPEND] = str(seed)
+        body["spec"]["replicas"] = 0
+    return body
+
+
+def _pointer(*parts: str) -> str:
+    return "".join("/" + part.replace("~", "~0").replace("/", "~1") for part in parts)
+
+
+def _map_ops(live_meta: dict[str, Any], key: str, wanted: dict[str, str]) -> list[dict[str, Any]]:
+    live_map = live_meta.get(key) or {}
+    return [{"op": "add", "path": _pointer("metadata", key, k), "value": v}
+            for k, v in sorted(wanted.items()) if live_map.get(k) != v]
+
+
+def get_content_ops(desired: dict[str, Any], live: dict[str, Any]) -> list[dict[str, Any]]:
+    """JSON-patch ops that make ``live`` carry everything ``desired`` renders (labels, annotations and
+    ownerReferences merged key by key; each rendered top-level field, and each key of ``spec``, replaced;
+    the volatile spec key left out)."""
+    meta = desired.get("metadata", {})
+    live_meta = live.get("metadata", {})
+    ops = _map_ops(live_meta, "labels", meta.get("labels") or {})
+    ops += _map_ops(live_meta, "annotations", meta.get("annotations") or {})
+    if "ownerReferences" in meta and live_meta.get("ownerReferences") != meta["ownerReferences"]:
+        ops.append({"op": "add", "path": "/metadata/ownerReferences", "value": meta["ownerReferences"]})
+    volatile = _volatile_spec_key(desired)
+    for key, value in desired.items():
+        if key in ("apiVersion", "kind", "metadata", "status"):
+            continue
+        if key == "spec" and isinstance(value, dict) and isinstance(live.get("spec"), dict):
+            for sub, sub_value in value.items():
+                if sub != volatile and live["spec"].get(sub) != sub_value:
+                    ops.append({"op": "add", "path": _pointer("spec", sub), "value": sub_value})
+        elif live.get(key) != value:
+            ops.append({"op": "add", "path": _pointer(key), "value": value})
+    return ops
+
+
+def get_replica_ops(desired: dict[str, Any], live: dict[str, Any], suspended: bool) -> list[dict[str, Any]]:
+    """Suspend/resume of a scaled Deployment: scale to 0 and save the live count, or restore it.
+    Otherwise nothing: the live replicas are kept."""
+    if not is_scaled(desired):
+        return []
+    annotations = live.get("metadata", {}).get("annotations") or {}
+    saved = annotations.get(constants.ANNOTATION_REPLICAS_BEFORE_SUSPEND)
+    live_replicas = live.get("spec", {}).get("replicas", 1)
+    ann_path = _pointer("metadata", "annotations", constants.ANNOTATION_REPLICAS_BEFORE_SUSPEND)
+    ops: list[dict[str, Any]] = []
+    if suspended and live_replicas != 0:
+        ops.append({"op": "add", "path": ann_path, "value": str(live_replicas)})
+        ops.append({"op": "add", "path": "/spec/replicas", "value": 0})
+    elif not suspended and saved is not None:
+        ops.append({"op": "add", "path": "/spec/replicas", "value": int(saved)})
+        ops.append({"op": "remove", "path": ann_path})
+    return ops
+
+
+def plan_child(desired: dict[str, Any], live: dict[str, Any] | None, suspended: bool) -> Plan:
+    """Decide how to converge one child (pure).
+
+    Args:
+        desired: the rendered manifest (without the spec-hash annotation).
+        live: the object as the API server has it, or None when absent.
+        suspended: the RLRun's spec.suspend.
+
+    Returns:
+        Plan(create | patch | replace | none). A patch's ops start with a ``test`` of resourceVersion.
+    """
+    if live is None:
+        return Plan("create", body=get_creatable(desired, suspended))
+    if desired["kind"] in CREATE_ONLY_KINDS:
+        return Plan("none")
+    live_hash = (live.get("metadata", {}).get("annotations") or {}).get(constants.ANNOTATION_SPEC_HASH)
+    changed = live_hash != get_spec_hash(desired)
+    if changed and desired["kind"] == "Job":
+        return Plan("replace", body=get_creatable(desired, suspended))
+    ops: list[dict[str, Any]] = []
+    if changed:
+        stamped = get_creatable(desired, suspended=False)
+        ops += get_content_ops(stamped, live)
+    ops += get_replica_ops(desired, live, suspended)
+    # Label/annotation ops add single keys: create a missing map first (JSON patch needs the parent).
+    live_meta = live.get("metadata", {})
+    prefix = [{"op": "add", "path": _pointer("metadata", key), "value": {}} for key in ("labels", "annotations")
+              if not isinstance(live_meta.get(key), dict) and any(
+                  op["path"].startswith(_pointer("metadata", key) + "/") for op in ops)]
+    ops = prefix + ops
+    if desired["kind"] == "Job":
+        wanted = bool(desired.get("spec", {}).get("suspend", False))
+        if bool(live.get("spec", {}).get("suspend", False)) != wanted:
+            ops.append({"op": "add", "path": "/spec/suspend", "value": wanted})
+    if not ops:
+        return Plan("none")
+    version = live.get("metadata", {}).get("resourceVersion")
+    return Plan("patch", ops=[{"op": "test", "path": "/metadata/resourceVersion", "value": version}] + ops)
+
+
+def plan_prune(owner_uid: str, desired: list[dict[str, Any]], live: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(kind, name) of live children owned by ``owner_uid`` (controller ownerReference) that the render no
+    longer produces (pure). PVCs are never pruned (they hold the run's data)."""
+    wanted = {(m["kind"], m["metadata"]["name"]) for m in desired}
+    doomed = []
+    for obj in live:
+        key = (obj.get("kind", ""), obj.get("metadata", {}).get("name", ""))
+        owners = obj.get("metadata", {}).get("ownerReferences") or []
+        owned = any(ref.get("uid") == owner_uid and ref.get("controller") for ref in owners)
+        if owned and key not in wanted and key[0] in PRUNABLE_KINDS:
+            doomed.append(key)
+    return sorted(doomed)
+
+
+class ApplyConflict(Exception):
+    """A child kept changing under us (or a replaced Job was not gone yet); retry the reconcile later."""
+
+
+async def apply_child(api: KubeApi, desired: dict[str, Any], suspended: bool,
+                      assume_absent: bool = False) -> Outcome:
+    """Converge one child: GET (skipped on the first attempt when ``assume_absent``: a brand-new run),
+    plan, then create/patch/replace. A 409 on create or a 422 on a patch re-reads and re-plans.
+
+    Raises ApplyConflict after MAX_ATTEMPTS, ApiError for any other API failure.
+    """
+    kind, meta = desired["kind"], desired["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    for attempt in range(MAX_ATTEMPTS):
+        live = None if (assume_absent and attempt == 0) else await api.get(kind, namespace, name)
+        plan = plan_child(desired, live, suspended)
+        try:
+            if plan.action == "none":
+                assert live is not None
+                return Outcome(kind, name, "none", live)
+            if plan.action == "create":
+                return Outcome(kind, name, "create", await api.create(plan.body or {}))
+            if plan.action == "patch":
+                return Outcome(kind, name, "patch", await api.json_patch(kind, namespace, name, plan.ops))
+            await api.delete(kind, namespace, name)
+            return Outcome(kind, name, "replace", await api.create(plan.body or {}))
+        except ApiError as exc:
+            if exc.status not in (404, 409, 422):
+                raise
+    raise ApplyConflict(f"{kind} {namespace}/{name}: still conflicting after {MAX_ATTEMPTS} attempts")
+
+
+async def apply_children(api: KubeApi, manifests: list[dict[str, Any]], suspended: bool,
+                         assume_absent: bool = False) -> list[Outcome]:
+    """Converge every rendered child, in the render's apply order. Returns one Outcome per manifest."""
+    return [await apply_child(api, m, suspended, assume_absent) for m in manifests]
+
+
+async def apply_prune(api: KubeApi, namespace: str, name: str, owner_uid: str,
+                      manifests: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """Delete the run's children that the render no longer produces (e.g. the single inference Deployment
+    after disaggregation is turned on). Lists each prunable kind by the run's instance label."""
+    labels = {constants.LABEL_INSTANCE: name, constants.LABEL_MANAGED_BY: constants.MANAGED_BY}
+    live: list[dict[str, Any]] = []
+    for kind in PRUNABLE_KINDS:
+        for obj in await api.list(kind, namespace, labels):
+            live.append({**obj, "kind": obj.get("kind") or kind})
+    doomed = plan_prune(owner_uid, manifests, live)
+    for kind, child in doomed:
+        await api.delete(kind, namespace, child)
+    return doomed

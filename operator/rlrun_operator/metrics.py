@@ -1,0 +1,82 @@
+"""The operator's own Prometheus metrics (prometheus_client), on a registry of their own.
+
+Served by `rlrun-operator` on constants.OPERATOR_METRICS_PORT. Besides the operator's health (reconciles,
+errors, reconcile duration, runs by phase) it re-exports what it scrapes from each run (progress from the
+orchestrator, queue depth per inference pool from vLLM), so dashboards read only the operator.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from rlrun_operator.status import (PHASE_FAILED, PHASE_INITIALIZING, PHASE_PENDING, PHASE_RUNNING,
+                                   PHASE_SUCCEEDED, PHASE_SUSPENDED, Progress)
+
+REGISTRY = CollectorRegistry()
+
+RECONCILES = Counter("rlrun_operator_reconciles", "Reconciles of RLRun children, by trigger "
+                     "(create, update, resume).", ["trigger"], registry=REGISTRY)
+RECONCILE_ERRORS = Counter("rlrun_operator_reconcile_errors", "Reconciles or status refreshes that raised.",
+                           ["stage"], registry=REGISTRY)
+RECONCILE_SECONDS = Histogram("rlrun_operator_reconcile_duration_seconds",
+                              "Wall time of one reconcile of a run's children, seconds.", registry=REGISTRY,
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+CHILD_WRITES = Counter("rlrun_operator_child_writes", "Create/patch/replace calls on children, by action.",
+                       ["action"], registry=REGISTRY)
+RUNS = Gauge("rlrun_operator_runs", "RLRuns served, by status.phase.", ["phase"], registry=REGISTRY)
+RUN_STEP = Gauge("rlrun_operator_run_step", "Last completed trainer step of a run (from its orchestrator).",
+                 ["namespace", "name"], registry=REGISTRY)
+RUN_POLICY_VERSION = Gauge("rlrun_operator_run_policy_version",
+                           "Policy version loaded by every inference server of a run.",
+                           ["namespace", "name"], registry=REGISTRY)
+RUN_LAST_REWARD = Gauge("rlrun_operator_run_last_reward", "Mean reward of a run's last trainer batch.",
+                        ["namespace", "name"], registry=REGISTRY)
+RUN_WEIGHT_UPDATE = Gauge("rlrun_operator_run_weight_update_in_flight",
+                          "1 while a run's inference servers are paused for a weight update.",
+                          ["namespace", "name"], registry=REGISTRY)
+QUEUE_DEPTH = Gauge("rlrun_operator_queue_depth", "Sum of vllm:num_requests_waiting over a pool's pods.",
+                    ["namespace", "name", "role"], registry=REGISTRY)
+
+PHASES = (PHASE_PENDING, PHASE_INITIALIZING, PHASE_RUNNING, PHASE_SUSPENDED, PHASE_SUCCEEDED, PHASE_FAILED)
+_PHASES: dict[tuple[str, str], str] = {}
+_POOLS: dict[tuple[str, str], set[str]] = {}
+
+
+def set_run_phase(namespace: str, name: str, phase: str) -> None:
+    """Record a run's phase; the rlrun_operator_runs gauge counts runs per phase."""
+    _PHASES[(namespace, name)] = phase
+    _refresh_phases()
+
+
+def _refresh_phases() -> None:
+    for phase in PHASES:
+        RUNS.labels(phase).set(sum(1 for p in _PHASES.values() if p == phase))
+
+
+def set_run_progress(namespace: str, name: str, progress: Progress | None, depth: dict[str, float]) -> None:
+    """Re-export a run's scraped progress and per-pool queue depth (absent values are left unchanged)."""
+    if progress is not None:
+        for gauge, value in ((RUN_STEP, progress.step), (RUN_POLICY_VERSION, progress.policy_version),
+                             (RUN_LAST_REWARD, progress.last_reward),
+                             (RUN_WEIGHT_UPDATE, progress.weight_update_in_flight)):
+            if value is not None:
+                gauge.labels(namespace, name).set(float(value))
+    for pool, value in depth.items():
+        QUEUE_DEPTH.labels(namespace, name, pool).set(value)
+        _POOLS.setdefault((namespace, name), set()).add(pool)
+
+
+def forget_run(namespace: str, name: str) -> None:
+    """Drop every series of a deleted run."""
+    _PHASES.pop((namespace, name), None)
+    _refresh_phases()
+    for gauge in (RUN_STEP, RUN_POLICY_VERSION, RUN_LAST_REWARD, RUN_WEIGHT_UPDATE):
+        try:
+            gauge.remove(namespace, name)
+        except KeyError:
+            pass
+    for pool in _POOLS.pop((namespace, name), set()):
+        try:
+            QUEUE_DEPTH.remove(namespace, name, pool)
+        except KeyError:
+            pass

@@ -1,0 +1,126 @@
+"""What the operator observes about a run: its workloads and pods (API reads) and the Prometheus metrics
+of its orchestrator and inference pods (HTTP scrapes). Parsing is pure (`get_*`); reading is `read_*`.
+
+The orchestrator pod is found by the labels instance=<run> and component=orchestrator; its metrics are at
+``http://<status.podIP>:<constants.ORCHESTRATOR_METRICS_PORT>/metrics`` (metric names in constants). The
+queue depth of an inference pool is the sum of vLLM's ``vllm:num_requests_waiting`` over its running pods,
+scraped at ``http://<podIP>:<constants.INFERENCE_PORT>/metrics``. prometheus_client's text parser drops the
+``_total`` suffix from counter family names, so samples are matched by sample name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from rlrun_operator import constants
+from rlrun_operator.kubeapi import KubeApi
+from rlrun_operator.status import Progress
+
+SCRAPE_TIMEOUT_S = 2.0
+WORKLOAD_KINDS = ("StatefulSet", "Deployment", "Job")
+POOL_COMPONENTS = (constants.COMPONENT_INFERENCE, constants.COMPONENT_PREFILL, constants.COMPONENT_DECODE)
+
+
+def get_run_labels(name: str) -> dict[str, str]:
+    """Labels that select every child of run ``name`` made by this operator."""
+    return {constants.LABEL_INSTANCE: name, constants.LABEL_MANAGED_BY: constants.MANAGED_BY}
+
+
+def get_samples(text: str) -> dict[str, float]:
+    """{sample name: value} of a Prometheus text exposition; samples sharing a name (label sets) are summed.
+
+    Raises ValueError on text that is not in the exposition format.
+    """
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+    return out
+
+
+def get_progress(text: str) -> Progress:
+    """The orchestrator's progress (constants.METRIC_STEP, METRIC_POLICY_VERSION, METRIC_LAST_REWARD,
+    METRIC_WEIGHT_UPDATE_IN_FLIGHT) from its /metrics text; absent metrics are None."""
+    samples = get_samples(text)
+
+    def pick(name: str) -> float | None:
+        return samples.get(name)
+
+    step, version = pick(constants.METRIC_STEP), pick(constants.METRIC_POLICY_VERSION)
+    reward, flight = pick(constants.METRIC_LAST_REWARD), pick(constants.METRIC_WEIGHT_UPDATE_IN_FLIGHT)
+    return Progress(step=None if step is None else int(step),
+                    policy_version=None if version is None else int(version),
+                    last_reward=reward, weight_update_in_flight=None if flight is None else flight > 0)
+
+
+def get_pod_targets(pods: list[dict[str, Any]]) -> tuple[str | None, dict[str, list[str]]]:
+    """(orchestrator metrics URL or None, {pool component: [inference metrics URL, ...]}) from the run's
+    pods; only Running pods with a podIP count (pure)."""
+    orchestrator: str | None = None
+    pools: dict[str, list[str]] = {}
+    for pod in pods:
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip or (pod.get("status") or {}).get("phase") != "Running":
+            continue
+        component = (pod.get("metadata", {}).get("labels") or {}).get(constants.LABEL_COMPONENT)
+        if component == constants.COMPONENT_ORCHESTRATOR:
+            orchestrator = f"http://{ip}:{constants.ORCHESTRATOR_METRICS_PORT}/metrics"
+        elif component in POOL_COMPONENTS:
+            pools.setdefault(component, []).append(f"http://{ip}:{constants.INFERENCE_PORT}/metrics")
+    return orchestrator, pools
+
+
+async def read_workloads(api: KubeApi, namespace: str, name: str) -> list[dict[str, Any]]:
+    """The run's StatefulSets, Deployments and Jobs (``kind`` filled in), by label selector."""
+    labels = get_run_labels(name)
+    lists = await asyncio.gather(*(api.list(kind, namespace, labels) for kind in WORKLOAD_KINDS))
+    return [{**obj, "kind": obj.get("kind") or kind} for kind, items in zip(WORKLOAD_KINDS, lists) for obj in items]
+
+
+async def read_pods(api: KubeApi, namespace: str, name: str) -> list[dict[str, Any]]:
+    """The run's pods (label instance=<name>; pods carry no managed-by guarantee from every controller)."""
+    return await api.list("Pod", namespace, {constants.LABEL_INSTANCE: name})
+
+
+async def read_metrics_text(session: aiohttp.ClientSession, url: str,
+                            timeout_s: float = SCRAPE_TIMEOUT_S) -> str | None:
+    """GET a /metrics URL; None on any connection error, timeout or non-200 answer."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+            if response.status != 200:
+                return None
+            return await response.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return None
+
+
+async def read_progress(session: aiohttp.ClientSession, pods: list[dict[str, Any]],
+                        ) -> tuple[Progress | None, dict[str, float]]:
+    """Scrape the orchestrator (progress, None when unreachable or unparsable) and every running inference
+    pod (queue depth per pool: sum of vllm:num_requests_waiting; pools with no readable pod are absent)."""
+    orchestrator, pools = get_pod_targets(pods)
+    urls = ([orchestrator] if orchestrator else []) + [u for us in pools.values() for u in us]
+    texts = dict(zip(urls, await asyncio.gather(*(read_metrics_text(session, u) for u in urls))))
+    progress = None
+    if orchestrator and texts.get(orchestrator) is not None:
+        try:
+            progress = get_progress(texts[orchestrator] or "")
+        except ValueError:
+            progress = None
+    depth: dict[str, float] = {}
+    for pool, pool_urls in pools.items():
+        for url in pool_urls:
+            text = texts.get(url)
+            if text is None:
+                continue
+            try:
+                waiting = get_samples(text).get(constants.VLLM_METRIC_WAITING)
+            except ValueError:
+                continue
+            if waiting is not None:
+                depth[pool] = depth.get(pool, 0.0) + waiting
+    return progress, depth

@@ -1,0 +1,148 @@
+"""One reconcile of a run (validate -> render -> create-or-patch children) and one status refresh (read
+children and metrics -> status). Called by the kopf handlers in handlers.py; no kopf imports here except
+for the status write, which the handlers hand over as kopf's ``patch``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import aiohttp
+
+from rlrun_operator import apply, metrics, observe, status
+from rlrun_operator.kubeapi import KubeApi
+from rlrun_operator.render import RenderError, render
+from rlrun_operator.sizing import SizingError
+from rlrun_operator.spec import apply_defaults
+from rlrun_operator.validation import validate
+
+
+@dataclass
+class ReconcileResult:
+    """``invalid``: "path: message" lines (nothing was applied), else the outcome per child and the
+    pruned (kind, name) pairs."""
+
+    invalid: list[str] = field(default_factory=list)
+    outcomes: list[apply.Outcome] = field(default_factory=list)
+    pruned: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def writes(self) -> int:
+        """Write calls made on children (create 1, patch 1, replace 2, prune 1 each)."""
+        cost = {"create": 1, "patch": 1, "replace": 2, "none": 0}
+        return sum(cost[o.action] for o in self.outcomes) + len(self.pruned)
+
+
+def get_plain(value: Any) -> Any:
+    """Deep copy of a kopf body (nested Mappings) as plain dicts and lists."""
+    if isinstance(value, Mapping):
+        return {k: get_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [get_plain(v) for v in value]
+    return value
+
+
+def get_rlrun(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The RLRun as a plain dict (apiVersion, kind, metadata, spec, status) from a kopf body."""
+    plain = get_plain(body)
+    return {k: plain[k] for k in ("apiVersion", "kind", "metadata", "spec", "status") if k in plain}
+
+
+def get_now() -> str:
+    """Current UTC time, RFC 3339 with seconds ("2026-11-29T10:00:00Z")."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def get_invalid(rlrun: dict[str, Any]) -> list[str]:
+    """Validation errors of an RLRun as "path: message" lines (empty when valid); never raises."""
+    subject = {k: v for k, v in rlrun.items() if k != "status"}
+    return [f"{e.path}: {e.message}" for e in validate(subject)]
+
+
+async def reconcile_run(api: KubeApi, rlrun: dict[str, Any], trigger: str, prune: bool = False,
+                        assume_absent: bool = False) -> ReconcileResult:
+    """Validate, render and converge every child of ``rlrun`` (a plain RLRun with metadata.uid).
+
+    Args:
+        trigger: create | update | resume (a metrics label).
+        prune: also delete children the render no longer produces (on spec updates).
+        assume_absent: POST first without a GET (a brand-new run); a 409 falls back to GET + patch.
+
+    Returns:
+        ReconcileResult; ``invalid`` set means nothing was written.
+
+    Raises:
+        kubeapi.ApiError, apply.ApplyConflict: the API refused or kept conflicting (kopf retries).
+    """
+    started = time.perf_counter()
+    metrics.RECONCILES.labels(trigger).inc()
+    try:
+        invalid = get_invalid(rlrun)
+        if invalid:
+            return ReconcileResult(invalid=invalid)
+        defaulted = apply_defaults(rlrun)
+        try:
+            manifests = render(defaulted)
+        except (RenderError, SizingError) as exc:
+            return ReconcileResult(invalid=[str(exc)])
+        suspended = bool(defaulted["spec"].get("suspend"))
+        outcomes = await apply.apply_children(api, manifests, suspended, assume_absent)
+        for outcome in outcomes:
+            if outcome.action != "none":
+                metrics.CHILD_WRITES.labels(outcome.action).inc()
+        pruned: list[tuple[str, str]] = []
+        if prune:
+            meta = rlrun["metadata"]
+            pruned = await apply.apply_prune(api, meta["namespace"], meta["name"], meta["uid"], manifests)
+        return ReconcileResult(outcomes=outcomes, pruned=pruned)
+    except Exception:
+        metrics.RECONCILE_ERRORS.labels("reconcile").inc()
+        raise
+    finally:
+        metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
+
+
+def get_workloads(result: ReconcileResult) -> list[dict[str, Any]]:
+    """The workload objects (StatefulSet, Deployments, Job) as the API answered during a reconcile."""
+    return [{**o.obj, "kind": o.obj.get("kind") or o.kind} for o in result.outcomes
+            if o.kind in observe.WORKLOAD_KINDS]
+
+
+@dataclass(frozen=True)
+class StatusChange:
+    """A status merge patch (empty: no write) and the phase transition it makes, if any."""
+
+    patch: dict[str, Any]
+    old_phase: str | None
+    new_phase: str
+
+
+def plan_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress: status.Progress | None,
+                reconciled_generation: int | None, invalid: list[str], now: Callable[[], str] = get_now,
+                ) -> StatusChange:
+    """Wanted status vs the current one (pure apart from the clock, which only matters when something
+    changed)."""
+    defaulted = apply_defaults(rlrun)
+    wanted = status.get_status(defaulted, workloads, progress, now(), reconciled_generation, invalid)
+    old = rlrun.get("status") or {}
+    return StatusChange(status.get_status_patch(old, wanted), old.get("phase"), wanted["phase"])
+
+
+async def refresh_run(api: KubeApi, session: aiohttp.ClientSession, rlrun: dict[str, Any],
+                      invalid: list[str]) -> StatusChange:
+    """Read the run's workloads and pods, scrape its orchestrator and inference pods, re-export the
+    scraped values as operator metrics, and return the status change (empty when nothing changed)."""
+    meta = rlrun["metadata"]
+    try:
+        workloads = await observe.read_workloads(api, meta["namespace"], meta["name"])
+        pods = await observe.read_pods(api, meta["namespace"], meta["name"])
+    except Exception:
+        metrics.RECONCILE_ERRORS.labels("refresh").inc()
+        raise
+    progress, depth = await observe.read_progress(session, pods)
+    metrics.set_run_progress(meta["namespace"], meta["name"], progress, depth)
+    reconciled = (rlrun.get("status") or {}).get("observedGeneration")
+    return plan_status(rlrun, workloads, progress, reconciled, invalid)

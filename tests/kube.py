@@ -1,0 +1,321 @@
+"""A Kubernetes API server for tests: kmock's KubernetesEmulator plus a fidelity layer, and a helper that
+runs the real operator (kopf, over HTTP) against it.
+
+kmock 0.8 (pinned: this layer uses its internals `_handle`, `_serve_list`, `_buses`, `_lock`) is an
+in-memory object store served over HTTP. What it lacks and this layer adds, the way kube-apiserver does it:
+- on create: metadata.uid, resourceVersion, generation 1, creationTimestamp, namespace, apiVersion, kind;
+- on every write: a new resourceVersion (one global counter); generation + 1 when anything outside
+  metadata and status changed;
+- JSON patches whose ``test`` op fails answer 422 (kmock: 500); JSON-patch and merge-patch both supported;
+- the status subresource: PATCH .../status changes only ``status``; a PATCH of the main resource of a kind
+  with a status subresource leaves ``status`` alone;
+- ``labelSelector`` on lists (equality, ``!=``, ``in``/``notin``, existence, ``!key``);
+- ownerReference garbage collection: when an object is gone, its dependents (by ownerReferences.uid) are
+  deleted in the background, recursively (finalizers honoured: they only get a deletionTimestamp).
+Every write request (POST, PUT, PATCH, DELETE) is recorded in ``writes`` for the tests to count.
+Not emulated (the operator must not rely on them): admission, schema validation and defaulting, field
+selectors, watch resourceVersions, server-side apply, strategic merge (treated as merge).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import datetime
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import jsonpatch
+import kmock
+import kopf
+from kmock._internal import enums
+
+from rlrun_operator import constants
+from rlrun_operator.handlers import get_registry
+from rlrun_operator.kubeapi import KINDS, KubeApi, get_api_client
+
+# Kinds with a status subresource (patching the main resource keeps their status).
+STATUS_SUBRESOURCE_KINDS = {"Deployment", "StatefulSet", "Job", "Pod", "PersistentVolumeClaim", "Service",
+                            constants.KIND}
+KIND_BY_RESOURCE = {(info.api_version, info.plural): kind for kind, info in KINDS.items()}
+
+
+@dataclass(frozen=True)
+class Write:
+    """One write request the emulator served."""
+
+    method: str
+    kind: str
+    namespace: str | None
+    name: str | None
+    subresource: str | None
+    status: int
+
+
+def _api_version(resource: kmock.resource) -> str:
+    return resource.version if not resource.group else f"{resource.group}/{resource.version}"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+_REQ = re.compile(r"^\s*(!?)([\w./-]+)\s*(?:(==|=|!=)\s*([\w./-]*)|\s+(in|notin)\s*\(([^)]*)\))?\s*$")
+
+
+def match_selector(selector: str, labels: dict[str, str]) -> bool:
+    """Kubernetes label-selector semantics for one object's labels. Raises ValueError on bad syntax."""
+    parts = re.split(r",(?![^(]*\))", selector) if selector.strip() else []
+    for part in parts:
+        m = _REQ.match(part)
+        if not m:
+            raise ValueError(f"bad label selector {selector!r}")
+        negate, key, op, value, set_op, values = m.groups()
+        if negate:
+            ok = key not in labels
+        elif op in ("=", "=="):
+            ok = labels.get(key) == value
+        elif op == "!=":
+            ok = labels.get(key) != value
+        elif set_op:
+            options = {v.strip() for v in values.split(",")}
+            ok = (labels.get(key) in options) if set_op == "in" else (labels.get(key) not in options)
+        else:
+            ok = key in labels
+        if not ok:
+            return False
+    return True
+
+
+def _merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = _merge_patch(result.get(key), value)
+    return result
+
+
+def _merge_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """A merge patch turning ``old`` into ``new`` (what kmock then applies)."""
+    diff: dict[str, Any] = {}
+    for key in old:
+        if key not in new:
+            diff[key] = None
+    for key, value in new.items():
+        if key not in old:
+            diff[key] = value
+        elif isinstance(value, dict) and isinstance(old[key], dict):
+            sub = _merge_diff(old[key], value)
+            if sub:
+                diff[key] = sub
+        elif old[key] != value:
+            diff[key] = value
+    return diff
+
+
+class FidelityEmulator(kmock.KubernetesEmulator):
+    """kmock's KubernetesEmulator with the fidelity layer described in the module docstring."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.revision = 0
+        self.writes: list[Write] = []
+        self.write_lock = asyncio.Lock()
+        for kind, info in KINDS.items():
+            group, _, version = info.api_version.rpartition("/")
+            subresources = ["status"] if kind in STATUS_SUBRESOURCE_KINDS else []
+            self.resources[f"{group}/{version}/{info.plural}"] = kmock.ResourceInfo(
+                kind=kind, namespaced=True, subresources=subresources,
+                verbs=["create", "get", "list", "watch", "patch", "update", "delete"])
+        # Cluster-scoped resources kopf's own machinery looks for in discovery.
+        self.resources["/v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False,
+                                                              verbs=["get", "list", "watch"])
+        self.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
+            kind="CustomResourceDefinition", namespaced=False, verbs=["get", "list", "watch"])
+
+    def _next_revision(self) -> str:
+        self.revision += 1
+        return str(self.revision)
+
+    def kind_of(self, resource: kmock.resource) -> str:
+        """The kind served at a resource (our known kinds; else the plural)."""
+        return KIND_BY_RESOURCE.get((_api_version(resource), resource.plural), str(resource.plural))
+
+    def find(self, kind: str, namespace: str | None = None, selector: str = "") -> list[dict[str, Any]]:
+        """Live (not deleted) objects of ``kind`` as plain dicts, for assertions."""
+        out = []
+        for (resource, ns, _), obj in list(self.objects.items()):
+            if obj.deleted or self.kind_of(resource) != kind or (namespace and ns != namespace):
+                continue
+            raw = copy.deepcopy(obj.raw)
+            if match_selector(selector, raw.get("metadata", {}).get("labels") or {}):
+                out.append(raw)
+        return out
+
+    def write_count(self, kinds: set[str] | None = None, exclude: set[str] = frozenset({"Event"})) -> int:
+        """Number of write requests served, optionally only for ``kinds``; Events excluded by default."""
+        return sum(1 for w in self.writes if (kinds is None or w.kind in kinds) and w.kind not in exclude)
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is None or request.action not in (enums.action.CREATE, enums.action.UPDATE,
+                                                              enums.action.DELETE):
+            return await super()._handle(request)
+        kind = self.kind_of(request.resource)
+        async with self.write_lock:
+            key = (request.resource, request.namespace, request.name)
+            try:
+                if request.action == enums.action.CREATE:
+                    self._prepare_create(request, kind)
+                elif request.action == enums.action.UPDATE:
+                    self._prepare_update(request, key, kind)
+            except kmock.KubernetesError as exc:
+                self.writes.append(Write(request.method.value, kind, request.namespace, request.name,
+                                         request.subresource, exc.status))
+                return await self._render_error(exc)
+            gone_uid = None
+            if key in self.objects and not self.objects[key].deleted:
+                gone_uid = self.objects[key].raw.get("metadata", {}).get("uid")
+            response = await super()._handle(request)
+            self.writes.append(Write(request.method.value, kind, request.namespace, request.name,
+                                     request.subresource, response.status))
+            if gone_uid and (key not in self.objects or self.objects[key].deleted):
+                await self._collect_garbage(gone_uid)
+            return response
+
+    def _prepare_create(self, request: kmock.Request, kind: str) -> None:
+        body = request.data
+        if not isinstance(body, dict):
+            raise kmock.KubernetesError(status=400, reason="BadRequest", message="body is not an object")
+        meta = body.setdefault("metadata", {})
+        if request.namespace:
+            meta.setdefault("namespace", request.namespace)
+        body.setdefault("apiVersion", _api_version(request.resource))
+        body.setdefault("kind", kind)
+        meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_revision(), generation=1,
+                    creationTimestamp=_now())
+
+    def _prepare_update(self, request: kmock.Request, key: Any, kind: str) -> None:
+        if key not in self.objects or self.objects[key].deleted:
+            return  # kmock answers 404
+        old = copy.deepcopy(self.objects[key].raw)
+        patch = request.data
+        try:
+            if isinstance(patch, list):
+                new = jsonpatch.apply_patch(old, patch, in_place=False)
+            elif isinstance(patch, dict):
+                new = _merge_patch(old, patch)
+            else:
+                raise kmock.KubernetesError(status=400, reason="BadRequest", message="unsupported patch body")
+        except jsonpatch.JsonPatchTestFailed as exc:
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=f"test failed: {exc}") from exc
+        except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc)) from exc
+        if request.subresource == "status":
+            new = {**old, "status": new.get("status")} if new.get("status") is not None else \
+                {k: v for k, v in old.items() if k != "status"}
+        elif kind in STATUS_SUBRESOURCE_KINDS:
+            new = {k: v for k, v in new.items() if k != "status"}
+            if "status" in old:
+                new["status"] = old["status"]
+        meta = new.setdefault("metadata", {})
+        for immutable in ("uid", "creationTimestamp", "namespace", "name"):
+            if immutable in old.get("metadata", {}):
+                meta[immutable] = old["metadata"][immutable]
+        content_old = {k: v for k, v in old.items() if k not in ("metadata", "status")}
+        content_new = {k: v for k, v in new.items() if k not in ("metadata", "status")}
+        if content_old != content_new:
+            meta["generation"] = int(old.get("metadata", {}).get("generation", 1)) + 1
+        meta["resourceVersion"] = self._next_revision()
+        diff = _merge_diff(old, new)
+        if isinstance(request.data, list):
+            request.data[:] = [{"op": "replace", "path": "", "value": new}]
+        else:
+            request.data.clear()
+            request.data.update(diff)
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        result = await super()._serve_list(request)
+        selector = (request.params or {}).get("labelSelector", "")
+        if selector:
+            result["items"] = [o for o in result["items"]
+                               if match_selector(selector, (o.get("metadata") or {}).get("labels") or {})]
+        result["metadata"]["resourceVersion"] = str(self.revision)
+        return result
+
+    async def _collect_garbage(self, owner_uid: str) -> None:
+        """Background-propagation deletion of the dependents of a deleted owner, recursively."""
+        gone: list[str] = []
+        async with self._lock:
+            for (resource, _, _), obj in list(self.objects.items()):
+                if obj.deleted:
+                    continue
+                raw = obj.raw
+                meta = raw.get("metadata") or {}
+                if not any(ref.get("uid") == owner_uid for ref in meta.get("ownerReferences") or []):
+                    continue
+                if meta.get("finalizers"):
+                    if not meta.get("deletionTimestamp"):
+                        obj.patch({"metadata": {"deletionTimestamp": _now(),
+                                                "resourceVersion": self._next_revision()}})
+                        await self._buses[resource].put({"type": "MODIFIED", "object": obj.raw})
+                    continue
+                obj.delete()
+                await self._buses[resource].put({"type": "DELETED", "object": raw})
+                if meta.get("uid"):
+                    gone.append(meta["uid"])
+        for uid in gone:
+            await self._collect_garbage(uid)
+
+
+@contextlib.asynccontextmanager
+async def serve_kubernetes() -> AsyncIterator[tuple[FidelityEmulator, str]]:
+    """Start the emulator on a free loopback port; yields (emulator, server URL)."""
+    async with FidelityEmulator() as emulator, kmock.Server(emulator) as server:
+        yield emulator, str(server.url).rstrip("/")
+
+
+@contextlib.asynccontextmanager
+async def run_operator(server: str, status_interval: float = 1.0) -> AsyncIterator[kopf.Memo]:
+    """Run the real operator (rlrun_operator.handlers) embedded, cluster-wide and standalone, logged in
+    to ``server`` through an ``@kopf.on.login`` handler; stops it (stop flag, then cancel) on exit."""
+    registry = get_registry(status_interval=status_interval)
+
+    @kopf.on.login(registry=registry)
+    async def login(**_: Any) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server=server)
+
+    memo = kopf.Memo(api=KubeApi(get_api_client(server)))
+    ready, stop = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(kopf.operator(registry=registry, clusterwide=True, standalone=True,
+                                             memo=memo, ready_flag=ready, stop_flag=stop))
+    try:
+        await asyncio.wait_for(ready.wait(), timeout=30)
+        yield memo
+    finally:
+        stop.set()
+        try:
+            await asyncio.wait_for(task, timeout=10)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+async def wait_for(predicate: Any, timeout: float = 20.0, interval: float = 0.05) -> Any:
+    """Poll ``predicate()`` (sync) until it returns a truthy value; returns it. Raises TimeoutError."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"condition not met within {timeout} s")
+        await asyncio.sleep(interval)
