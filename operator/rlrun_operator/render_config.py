@@ -22,15 +22,15 @@ import yaml
 from . import constants as c
 from .render_metadata import get_metadata
 
-Path = tuple[str, ...]
+FieldPath = tuple[str, ...]
 
 # Replica seeds: the operator owns replicas after creation, so seeds never roll pods.
-_REPLICA_SEEDS: tuple[Path, ...] = (
+_REPLICA_SEEDS: tuple[FieldPath, ...] = (
     ("inference", "replicas"),
     ("inference", "disaggregation", "replicas"),
     ("inference", "disaggregation", "ratio"),
 )
-_RESOURCES: tuple[Path, ...] = (
+_RESOURCES: tuple[FieldPath, ...] = (
     ("trainer", "resources"),
     ("inference", "resources"),
     ("router", "resources"),
@@ -38,7 +38,7 @@ _RESOURCES: tuple[Path, ...] = (
 )
 
 # role -> (spec paths the role reads, paths removed from them again). A path () is the whole spec.
-CONFIG_HASH_VIEWS: dict[str, tuple[tuple[Path, ...], tuple[Path, ...]]] = {
+CONFIG_HASH_VIEWS: dict[str, tuple[tuple[FieldPath, ...], tuple[FieldPath, ...]]] = {
     # The inference role builds the vLLM command line from model (name, revision, dtype, maxModelLen) and
     # inference (parallelism, KV connector, vllmArgs); weightSync.transport decides how weights arrive.
     # Sampling parameters travel with each request, so algorithm.sampling does not roll these pods.
@@ -72,7 +72,7 @@ CONFIG_HASH_VIEWS[c.COMPONENT_PREFILL] = CONFIG_HASH_VIEWS[c.COMPONENT_INFERENCE
 CONFIG_HASH_VIEWS[c.COMPONENT_DECODE] = CONFIG_HASH_VIEWS[c.COMPONENT_INFERENCE]
 
 
-def _get_path(spec: dict[str, Any], path: Path) -> tuple[bool, Any]:
+def _get_path(spec: dict[str, Any], path: FieldPath) -> tuple[bool, Any]:
     node: Any = spec
     for key in path:
         if not isinstance(node, dict) or key not in node:
@@ -81,7 +81,7 @@ def _get_path(spec: dict[str, Any], path: Path) -> tuple[bool, Any]:
     return True, node
 
 
-def _set_path(view: dict[str, Any], path: Path, value: Any) -> dict[str, Any]:
+def _set_path(view: dict[str, Any], path: FieldPath, value: Any) -> dict[str, Any]:
     if not path:
         return copy.deepcopy(value)
     node = view
@@ -91,7 +91,7 @@ def _set_path(view: dict[str, Any], path: Path, value: Any) -> dict[str, Any]:
     return view
 
 
-def _drop_path(view: dict[str, Any], path: Path) -> None:
+def _drop_path(view: dict[str, Any], path: FieldPath) -> None:
     node: Any = view
     for key in path[:-1]:
         if not isinstance(node, dict) or key not in node:
