@@ -77,7 +77,11 @@ def test_schema_is_structural() -> None:
             for key in node["x-kubernetes-list-map-keys"]:
                 assert key in item.get("required", []), f"{path}: map key {key} must be required"
     # metadata may only be restricted in name and generateName; status is not required; spec is
-    assert set(SCHEMA["properties"]["metadata"]) <= {"type", "description"}
+    metadata = SCHEMA["properties"]["metadata"]
+    assert set(metadata) <= {"type", "description", "properties"}
+    assert set(metadata.get("properties", {})) <= {"name", "generateName"}
+    for field in metadata.get("properties", {}).values():
+        assert set(field) <= {"type", "description", "pattern", "maxLength", "minLength"}
     assert SCHEMA["required"] == ["spec"]
 
 

@@ -54,6 +54,9 @@ SCHEMA_CASES = [
     ("no-spec", {"spec": DELETE}, "spec", "is required"),
     ("spec-not-object", {"spec": [1]}, "spec", "must be an object"),
     ("list-item", {"spec.imagePullSecrets": [{}]}, "spec.imagePullSecrets[0].name", "is required"),
+    ("name-dns", {"metadata.name": "My_Run"}, "metadata.name", "a DNS-1035 label (lower-case letters, digits"),
+    ("name-dot", {"metadata.name": "run.v2"}, "metadata.name", "write a value of that form"),
+    ("name-length", {"metadata.name": "a" * 45}, "metadata.name", "must have at most 44 characters; shorten it"),
     ("api-version", {"apiVersion": "rlrun.dev/v1"}, "apiVersion", "set apiVersion: rlrun.dev/v1alpha1"),
     ("kind", {"kind": "Job"}, "kind", "set kind: RLRun"),
 ]
@@ -89,8 +92,6 @@ CEL_CASES = [
 
 SEMANTIC_CASES = [
     ("name-missing", {"metadata.name": DELETE}, "metadata.name", "name the run"),
-    ("name-dns", {"metadata.name": "My_Run"}, "metadata.name", "lower-case letters, digits and '-'"),
-    ("name-length", {"metadata.name": "a" * 45}, "metadata.name", "shorten it to at most 44 characters"),
     ("namespace", {"metadata.namespace": "Bad NS"}, "metadata.namespace", "lower-case letters"),
     ("builtin-name", {"spec.environment.name": "reverse-word"}, "spec.environment.name",
      "did you mean 'reverse-words'?"),
@@ -183,8 +184,17 @@ def test_field_error_str() -> None:
     assert str(FieldError("", "not a mapping")) == "not a mapping"
 
 
-def test_max_name_length_follows_the_statefulset_limit() -> None:
+def test_max_name_length_follows_the_statefulset_limit_and_the_crd_enforces_it() -> None:
     assert validation.max_name_length() == constants.STATEFULSET_NAME_MAX_LENGTH - len("-trainer") == 44
+    name_schema = spec.crd_schema()["properties"]["metadata"]["properties"]["name"]
+    assert name_schema["maxLength"] == validation.max_name_length()
+    assert name_schema["pattern"] == "^[a-z]([-a-z0-9]*[a-z0-9])?$"  # DNS-1035 label (Kubernetes API conventions)
+
+
+def test_other_metadata_fields_stay_allowed(tiny_rlrun) -> None:
+    metadata = {"name": "run", "namespace": "ns", "uid": "1234", "generation": 3, "labels": {"team": "rl"},
+                "annotations": {"argocd.argoproj.io/tracking-id": "x"}, "managedFields": [{"manager": "kubectl"}]}
+    assert validate(mutate(tiny_rlrun, {"metadata": metadata})) == []
 
 
 @pytest.mark.parametrize("obj", [None, 3, "text", [], {}, {"spec": None}, {"spec": {"model": None}},

@@ -139,6 +139,14 @@ def to_jsonschema(node: Any) -> Any:
     return out
 
 
+def root_to_jsonschema(schema: dict[str, Any]) -> dict[str, Any]:
+    """``to_jsonschema`` of a CRD's openAPIV3Schema, keeping ``metadata`` open: the schema may only restrict
+    metadata.name and generateName, every other ObjectMeta field (labels, uid, ...) stays allowed."""
+    out = to_jsonschema(schema)
+    out.get("properties", {}).get("metadata", {}).pop("additionalProperties", None)
+    return out
+
+
 _FORMATS = jsonschema.FormatChecker(formats=())
 
 
@@ -153,7 +161,7 @@ def _is_date_time(value: Any) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _validator() -> jsonschema.Draft4Validator:
-    return jsonschema.Draft4Validator(to_jsonschema(spec.crd_schema()), format_checker=_FORMATS)
+    return jsonschema.Draft4Validator(root_to_jsonschema(spec.crd_schema()), format_checker=_FORMATS)
 
 
 def _path(parts: Any) -> str:
@@ -259,8 +267,6 @@ def check_cel(rlrun: dict[str, Any], skip_paths: frozenset[str] = frozenset()) -
 
 # --- 3. semantic checks --------------------------------------------------------------------------
 
-# metadata.name: a DNS-1035 label (Kubernetes API conventions: Service names must be DNS-1035 labels).
-DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 PYTHON_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
@@ -277,21 +283,13 @@ def max_name_length() -> int:
 
 
 def check_name(metadata: Any) -> list[FieldError]:
-    """metadata.name is set, a DNS-1035 label, and short enough for every child name."""
-    if not isinstance(metadata, dict) or not metadata.get("name"):
-        return [FieldError("metadata.name", "is required; name the run, e.g. metadata.name: my-run")]
-    name = metadata["name"]
+    """metadata.name is set (children are named after it; the schema checks its form and length) and
+    metadata.namespace, when set, is a DNS-1123 label."""
     out = []
-    if not isinstance(name, str) or not DNS_1035_LABEL.match(name):
-        out.append(FieldError("metadata.name", f"{_describe(name)} is not a DNS-1035 label; use lower-case "
-                                               "letters, digits and '-', starting with a letter and ending "
-                                               "with a letter or digit, e.g. my-run"))
-    elif len(name) > max_name_length():
-        longest = max(constants.CHILD_SUFFIXES, key=len)
-        out.append(FieldError("metadata.name", f"has {len(name)} characters; child names such as "
-                                               f"'{name}{longest}' would exceed Kubernetes' name limits; "
-                                               f"shorten it to at most {max_name_length()} characters"))
-    namespace = metadata.get("namespace")
+    if not isinstance(metadata, dict) or not metadata.get("name"):
+        out.append(FieldError("metadata.name", "is required; name the run, e.g. metadata.name: my-run "
+                                               "(generateName is not supported: children are named after it)"))
+    namespace = metadata.get("namespace") if isinstance(metadata, dict) else None
     if namespace is not None and (not isinstance(namespace, str) or not DNS_1123_LABEL.match(namespace)
                                   or len(namespace) > constants.DNS_LABEL_MAX_LENGTH):
         out.append(FieldError("metadata.namespace", f"{_describe(namespace)} is not a DNS-1123 label; use "
