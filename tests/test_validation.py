@@ -84,6 +84,8 @@ CEL_CASES = [
     ("autoscaling-bounds", {**DISAGG, "spec.autoscaling.enabled": True, "spec.autoscaling.prefill.min": 3,
                             "spec.autoscaling.prefill.max": 2}, "spec.autoscaling.prefill.min",
      "lower min or raise max"),
+    ("thresholds", {"spec.autoscaling.thresholds.scaleDownWaiting": 4}, "spec.autoscaling.thresholds.scaleDownWaiting",
+     "lower scaleDownWaiting or raise scaleUpWaiting"),
     ("ratio-low", {"spec.algorithm.loss.ratioLow": 1.5}, "spec.algorithm.loss.ratioLow", "lower ratioLow"),
     ("ratio-high-int", {"spec.algorithm.loss.ratioHigh": 1}, "spec.algorithm.loss.ratioHigh", "raise ratioHigh"),
     ("claim-and-class", {"spec.storage.claimName": "data", "spec.storage.storageClassName": "rwx"},
