@@ -1,0 +1,508 @@
+"""The trainer role: `torchrun ... -m rlrun_runtime trainer --config PATH`.
+
+One code path for CPU and GPU and for any number of ranks: torch.distributed (gloo on CPU, nccl on GPU) and
+FSDP2 (``torch.distributed.fsdp.fully_shard``) are always used, a world of one included. Per step n
+(1-based): wait for ``rollouts/step-n.json``, run this rank's micro-batches (strided share of the batch,
+``microBatchSize`` samples each) through the loss of :mod:`rlrun_runtime.loss`, clip, AdamW step, LR
+schedule step, publish ``weights/step-n`` (policy version n; rank 0 writes the gathered full state dict),
+append a line to ``metrics.jsonl``, and every ``checkpoint.intervalSteps`` steps and after the last one write
+a checkpoint (:mod:`rlrun_runtime.checkpoint`). On start it resumes from the latest complete checkpoint.
+
+Exit codes: 0 after maxSteps; 2 on bad input (unreadable config, missing storage env, missing model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from rlrun_operator import constants as c
+from rlrun_operator.spec import apply_defaults
+
+from . import checkpoint as ckpt
+from .loss import LossMetrics, policy_loss, token_logprobs
+from .packing import MicroBatch, count_loss_tokens, get_micro_batches
+from .storage import RunStorage, append_jsonl, atomic_directory
+
+# Files of a model directory that are weights (never copied from the initial model into weights/step-n).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".ckpt", ".index.json")
+BATCH_POLL_SECONDS = 0.05
+DISTRIBUTED_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+class UsageError(Exception):
+    """Bad user input: printed as one line naming the field and the fix, exit code 2."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The trainer's knobs, read from an RLRun with defaults applied (field names follow the spec)."""
+
+    max_steps: int
+    micro_batch_size: int
+    learning_rate: float
+    weight_decay: float
+    max_grad_norm: float
+    lr_schedule: str
+    lr_warmup_steps: int
+    temperature: float
+    ratio_low: float
+    ratio_high: float
+    kl_coef: float
+    checkpoint_interval: int
+    checkpoint_keep: int
+    dtype: str
+    use_gpu: bool
+
+
+def get_trainer_config(rlrun: dict[str, Any]) -> TrainerConfig:
+    """The :class:`TrainerConfig` of a defaulted RLRun (``apply_defaults`` output)."""
+    spec = rlrun["spec"]
+    alg, trainer = spec["algorithm"], spec["trainer"]
+    return TrainerConfig(
+        max_steps=alg["maxSteps"], micro_batch_size=alg["microBatchSize"], learning_rate=alg["learningRate"],
+        weight_decay=alg["weightDecay"], max_grad_norm=alg["maxGradNorm"], lr_schedule=alg["lrSchedule"],
+        lr_warmup_steps=alg["lrWarmupSteps"], temperature=alg["sampling"]["temperature"],
+        ratio_low=alg["loss"]["ratioLow"], ratio_high=alg["loss"]["ratioHigh"], kl_coef=alg["loss"]["klCoef"],
+        checkpoint_interval=trainer["checkpoint"]["intervalSteps"], checkpoint_keep=trainer["checkpoint"]["keep"],
+        dtype=spec["model"]["dtype"], use_gpu=trainer["gpusPerNode"] > 0,
+    )
+
+
+def get_lr_factor(step: int, schedule: str, warmup_steps: int, max_steps: int) -> float:
+    """Multiplier of the peak learning rate for optimizer step ``step`` (1-based).
+
+    Warm-up: ``step / warmup_steps`` for ``step <= warmup_steps`` (linear from 0). After it, with
+    ``d = max_steps - warmup_steps`` decay steps and ``k = step - warmup_steps`` (1..d): constant 1;
+    linear ``(d - k + 1) / d`` (1 at the first step after warm-up, 1/d at the last); cosine
+    ``0.5 * (1 + cos(pi * (k - 1) / d))`` (1 down to just above 0).
+
+    Raises:
+        ValueError: unknown schedule.
+    """
+    if schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"unknown lrSchedule {schedule!r}: use constant, linear or cosine")
+    if step <= warmup_steps:
+        return step / warmup_steps
+    decay = max(1, max_steps - warmup_steps)
+    k = min(step - warmup_steps, decay)
+    if schedule == "linear":
+        return (decay - k + 1) / decay
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * (k - 1) / decay))
+    return 1.0
+
+
+def get_torch_dtype(name: str, model_config: Any = None) -> torch.dtype:
+    """torch dtype of ``spec.model.dtype``; ``auto`` takes the model config's dtype (float32 if none)."""
+    if name == "auto":
+        found = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+        if isinstance(found, torch.dtype):
+            return found
+        return getattr(torch, str(found), torch.float32) if found else torch.float32
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def get_micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, total_loss_tokens: int, cfg: TrainerConfig,
+                         device: torch.device) -> tuple[torch.Tensor, LossMetrics]:
+    """Forward one micro-batch and return ``policy_loss`` (normalised by the step's ``total_loss_tokens``).
+
+    Logprobs are ``log_softmax(logits / temperature)`` of the target tokens (matching vLLM's processed
+    logprobs, docs/runtime-contract.md).
+    """
+    logits = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device)).logits
+    logprobs = token_logprobs(logits, mb.target_ids.to(device), cfg.temperature)
+    return policy_loss(logprobs, mb.inference_logprobs.to(device), mb.advantages.to(device),
+                       mb.loss_mask.to(device), total_loss_tokens, cfg.ratio_low, cfg.ratio_high, cfg.kl_coef)
+
+
+def get_metrics_record(step: int, batch: dict[str, Any], loss: float, metrics: LossMetrics, grad_norm: float,
+                       lr: float, num_tokens: int, num_loss_tokens: int, wait_seconds: float,
+                       train_seconds: float, publish_seconds: float) -> dict[str, Any]:
+    """One ``metrics.jsonl`` line (keys of the runtime contract plus trainer details).
+
+    ``reward_mean`` is the batch file's ``reward_mean`` when the orchestrator wrote one (the mean over every
+    scored rollout, before zero-advantage groups were filtered), else the mean reward of the trained samples.
+    ``tokens_per_second`` counts real (non-padding) input tokens of all ranks over ``train_seconds``
+    (forward, backward and optimizer step; waiting and publishing excluded).
+    """
+    samples = batch["samples"]
+    rewards = [s["reward"] for s in samples if "reward" in s]
+    reward_mean = batch.get("reward_mean")
+    if reward_mean is None:
+        reward_mean = sum(rewards) / len(rewards) if rewards else None
+    versions = [s.get("policy_version") for s in samples if s.get("policy_version") is not None]
+    return {
+        "step": step,
+        "policy_version": step,
+        "reward_mean": reward_mean,
+        "loss": loss,
+        "mismatch_kl": metrics.mismatch_kl,
+        "masked_fraction": metrics.masked_fraction,
+        "ratio_mean": metrics.ratio_mean,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "num_samples": len(samples),
+        "num_tokens": num_tokens,
+        "num_loss_tokens": num_loss_tokens,
+        "tokens_per_second": num_tokens / train_seconds if train_seconds > 0 else None,
+        "wait_seconds": wait_seconds,
+        "train_seconds": train_seconds,
+        "publish_seconds": publish_seconds,
+        "dropped_stale_groups": batch.get("dropped_stale_groups", 0),
+        "min_sample_policy_version": min(versions) if versions else None,
+        "time": time.time(),
+    }
+
+
+# --- I/O -------------------------------------------------------------------------------------------
+
+
+def load_rlrun(path: str) -> dict[str, Any]:
+    """Read the RLRun YAML at ``path`` and apply the CRD's defaults.
+
+    Raises:
+        UsageError: the file is missing, not YAML, or has no ``spec`` mapping.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"--config {path}: cannot read it ({exc.strerror}); pass the RLRun YAML") from None
+    try:
+        rlrun = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UsageError(f"--config {path}: not valid YAML ({exc}); fix the file") from None
+    if not isinstance(rlrun, dict) or not isinstance(rlrun.get("spec"), dict):
+        raise UsageError(f"--config {path}: no spec mapping; the file must be an RLRun object")
+    if not isinstance(rlrun["spec"].get("model"), dict) or not rlrun["spec"]["model"].get("name"):
+        raise UsageError("spec.model.name: missing; name an HF model id, a model directory or rlrun-tiny")
+    return apply_defaults(rlrun)
+
+
+def resolve_model(rlrun: dict[str, Any], storage: RunStorage) -> str:
+    """What to load for ``spec.model.name`` (via :func:`rlrun_runtime.tiny_model.ensure_model`).
+
+    Raises:
+        UsageError: the name is a filesystem path (absolute, or starting with ``.`` or ``~``) that is not
+            a directory.
+    """
+    from .tiny_model import ensure_model
+
+    name = rlrun["spec"]["model"]["name"]
+    if name.startswith(("/", ".", "~")) and not Path(name).expanduser().is_dir():
+        raise UsageError(f"spec.model.name: model directory {name} does not exist; build or copy the HF model "
+                         "there, or name an HF model id or rlrun-tiny")
+    return ensure_model(rlrun["spec"], storage)
+
+
+def wait_for_batch(storage: RunStorage, step: int, poll_seconds: float = BATCH_POLL_SECONDS) -> tuple[dict, float]:
+    """Poll for ``rollouts/step-N.json`` (written atomically by the orchestrator); return it and seconds waited."""
+    path = storage.rollout_batch(step)
+    start = time.monotonic()
+    while not path.is_file():
+        time.sleep(poll_seconds)
+    batch = json.loads(path.read_text(encoding="utf-8"))
+    return batch, time.monotonic() - start
+
+
+def copy_model_files(source: str, dest: Path, revision: str | None = None) -> None:
+    """Copy the non-weight files (config, generation config, tokenizer, chat template) of a model into ``dest``.
+
+    ``source`` is a local HF directory or an HF id (then the files come from the local HF cache or hub).
+    """
+    src = Path(source)
+    if not src.is_dir():
+        from huggingface_hub import snapshot_download
+
+        src = Path(snapshot_download(source, revision=revision,
+                                     allow_patterns=["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"]))
+    for entry in src.iterdir():
+        if entry.is_file() and not entry.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(entry, dest / entry.name)
+
+
+def publish_weights(model: torch.nn.Module, path: Path, template_dir: Path, dtype: torch.dtype,
+                    tied: bool) -> float:
+    """Gather the full state dict (collective) and write it on rank 0 as an HF safetensors directory.
+
+    The directory holds ``model*.safetensors`` (sharded with an index above 5 GB, by
+    ``huggingface_hub.save_torch_state_dict``) plus the non-weight files from ``template_dir``; it appears
+    atomically at ``path``. With tied embeddings ``lm_head.weight`` is left out, as transformers saves it.
+
+    Returns:
+        Seconds taken.
+    """
+    from huggingface_hub import save_torch_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    start = time.monotonic()
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if tied:
+            state.pop("lm_head.weight", None)
+        state = {k: v.to(dtype).contiguous() for k, v in state.items()}
+        with atomic_directory(path) as tmp:
+            save_torch_state_dict(state, tmp, max_shard_size="5GB")
+            for entry in template_dir.iterdir():
+                shutil.copy2(entry, tmp / entry.name)
+    return time.monotonic() - start
+
+
+def start_metrics_server(port: int) -> dict[str, Any]:
+    """Serve Prometheus gauges on ``port`` (rank 0): on ``POD_IP`` in a pod, else loopback.
+
+    Returns:
+        The gauges by key: step, loss, mismatch_kl, tokens_per_second, wait_seconds.
+    """
+    from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+    registry = CollectorRegistry()
+    gauges = {
+        "step": Gauge(c.METRIC_TRAINER_STEP, "Last completed trainer step (= published policy version).",
+                      registry=registry),
+        "loss": Gauge(c.METRIC_TRAINER_LOSS, "Policy loss of the last step.", registry=registry),
+        "mismatch_kl": Gauge(c.METRIC_TRAINER_MISMATCH_KL, "k3 KL(inference || trainer) of the last step.",
+                             registry=registry),
+        "tokens_per_second": Gauge(c.METRIC_TRAINER_TOKENS_PER_SECOND, "Trainer tokens/s of the last step.",
+                                   registry=registry),
+        "wait_seconds": Gauge(c.METRIC_TRAINER_WAIT_SECONDS, "Seconds the last step waited for its batch.",
+                              registry=registry),
+    }
+    start_http_server(port, addr=os.environ.get(c.ENV_POD_IP) or "127.0.0.1", registry=registry)
+    return gauges
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (torchrun) dies (``prctl(PR_SET_PDEATHSIG)``).
+
+    torchrun starts each worker in its own session, so killing torchrun alone (SIGKILL of ``rlrun local``'s
+    process group, an OOM kill) would otherwise leave the worker running. No-op elsewhere than Linux.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def init_distributed(use_gpu: bool) -> tuple[int, int, torch.device]:
+    """Initialise torch.distributed from torchrun's env (a world of one without it); returns rank, world, device.
+
+    Backend nccl when ``use_gpu`` (device ``cuda:LOCAL_RANK``), else gloo on CPU.
+    """
+    if "RANK" not in os.environ:  # started without torchrun: a world of one on a free loopback port
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                           c.ENV_MASTER_ADDR: "127.0.0.1", c.ENV_MASTER_PORT: str(port)})
+    if use_gpu:
+        if not torch.cuda.is_available():
+            raise UsageError("spec.trainer.gpusPerNode: > 0 but no CUDA device is visible; set it to 0 to train "
+                             "on CPU")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=DISTRIBUTED_TIMEOUT)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=DISTRIBUTED_TIMEOUT)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def build_model(model_path: str, cfg: TrainerConfig, device: torch.device, revision: str | None) -> Any:
+    """Load the HF causal LM in float32 (master weights) and shard it with FSDP2.
+
+    Each decoder layer is its own FSDP unit, then the root. With a bf16/fp16 ``spec.model.dtype`` the
+    forward and backward run in that dtype (``MixedPrecisionPolicy``, gradients reduced in float32), so the
+    trainer's logprobs come from the same precision vLLM serves with.
+
+    Raises:
+        UsageError: transformers cannot load ``model_path``.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, revision=revision,
+                                                     attn_implementation="sdpa")
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"spec.model.name: cannot load {model_path!r} ({first}); name an HF model directory, "
+                         "a reachable HF model id or rlrun-tiny") from None
+    model.to(device)
+    compute = get_torch_dtype(cfg.dtype, model.config)
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    for layer in layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    model.train()
+    return model
+
+
+class Trainer:
+    """One rank of the trainer: model, optimizer, schedule, and the step loop (see the module docstring)."""
+
+    def __init__(self, rlrun: dict[str, Any], storage: RunStorage, model_path: str, rank: int, world: int,
+                 device: torch.device):
+        self.cfg = get_trainer_config(rlrun)
+        self.storage, self.rank, self.world, self.device = storage, rank, world, device
+        self.revision = rlrun["spec"]["model"].get("revision")
+        self.model = build_model(model_path, self.cfg, device, self.revision)
+        config = self.model.config
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.tied = bool(getattr(text_config, "tie_word_embeddings", False))
+        self.publish_dtype = get_torch_dtype(self.cfg.dtype, config)
+        pad = getattr(text_config, "pad_token_id", None)
+        self.pad_id = pad if isinstance(pad, int) else 0
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.learning_rate,
+                                           weight_decay=self.cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda done: get_lr_factor(done + 1, self.cfg.lr_schedule, self.cfg.lr_warmup_steps, self.cfg.max_steps))
+        # Rank 0 keeps the initial model's non-weight files in a private temporary directory.
+        self._template = tempfile.TemporaryDirectory(prefix="rlrun-model-files-") if rank == 0 else None
+        self.template_dir = Path(self._template.name) if self._template else Path()
+        if self._template:
+            copy_model_files(model_path, self.template_dir, self.revision)
+        self.gauges = None
+
+    def resume(self) -> int:
+        """Load the latest complete checkpoint if any; return the next step to train (1 without one)."""
+        latest = ckpt.find_latest_checkpoint(self.storage)
+        dist.barrier()  # every rank must see the same latest before rank 0 may write anything
+        if latest is None:
+            next_step = 1
+        else:
+            next_step = ckpt.load_checkpoint(self.storage, latest, self.model, self.optimizer,
+                                             self.scheduler)["next_step"]
+        if self.rank == 0:
+            ckpt.truncate_metrics(self.storage.metrics_file, next_step - 1)
+        dist.barrier()
+        return next_step
+
+    def train_step(self, step: int, batch: dict[str, Any]) -> tuple[float, LossMetrics, float, int, int, float]:
+        """Forward/backward over this rank's micro-batches, clip, optimizer and scheduler step.
+
+        Returns:
+            ``(loss, metrics, grad_norm, num_tokens, num_loss_tokens, lr)`` summed over every rank; ``lr`` is
+            the rate this step used.
+        """
+        samples = batch["samples"]
+        if not samples:
+            raise ValueError(f"rollouts/step-{step}: the batch has no samples")
+        total = max(1, count_loss_tokens(samples))
+        micro_batches = get_micro_batches(samples, self.cfg.micro_batch_size, self.rank, self.world, self.pad_id)
+        lr = self.optimizer.param_groups[0]["lr"]
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        metrics = LossMetrics()
+        num_tokens = 0
+        for i, mb in enumerate(micro_batches):
+            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            loss, mb_metrics = get_micro_batch_loss(self.model, mb, total, self.cfg, self.device)
+            # FSDP2 averages gradients over ranks; the loss is a sum over ranks, so undo the division.
+            (loss * self.world).backward()
+            loss_sum += loss.detach().double().cpu()
+            metrics = metrics + mb_metrics
+            num_tokens += mb.num_tokens if mb.num_loss_tokens else 0
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        summed = torch.cat([loss_sum.view(1), metrics.as_tensor(), torch.tensor([float(num_tokens)],
+                                                                                dtype=torch.float64)])
+        summed = summed.to(self.device)
+        dist.all_reduce(summed)
+        summed = summed.cpu()
+        return (float(summed[0]), LossMetrics.from_tensor(summed[1:-1]), float(grad_norm), int(summed[-1]),
+                count_loss_tokens(samples), lr)
+
+    def run(self, metrics_port: int | None) -> int:
+        """Train from the resume point to maxSteps; returns 0."""
+        if self.rank == 0 and metrics_port is not None:
+            self.gauges = start_metrics_server(metrics_port)
+        start = self.resume()
+        if self.rank == 0:
+            print(f"trainer: world {self.world} on {self.device}, steps {start}..{self.cfg.max_steps}", flush=True)
+        for step in range(start, self.cfg.max_steps + 1):
+            batch, waited = wait_for_batch(self.storage, step)
+            t0 = time.monotonic()
+            loss, metrics, grad_norm, num_tokens, loss_tokens, lr = self.train_step(step, batch)
+            train_seconds = time.monotonic() - t0
+            published = publish_weights(self.model, self.storage.weights(step), self.template_dir,
+                                        self.publish_dtype, self.tied)
+            if self.rank == 0:
+                record = get_metrics_record(step, batch, loss, metrics, grad_norm, lr, num_tokens, loss_tokens,
+                                            waited, train_seconds, published)
+                append_jsonl(self.storage.metrics_file, record)
+                self._report(record)
+            if step % self.cfg.checkpoint_interval == 0 or step == self.cfg.max_steps:
+                ckpt.save_checkpoint(self.storage, step, self.model, self.optimizer, self.scheduler,
+                                     self.cfg.checkpoint_keep)
+        return 0
+
+    def _report(self, record: dict[str, Any]) -> None:
+        if self.gauges:
+            for key, gauge in self.gauges.items():
+                value = record.get(key)
+                if value is not None:
+                    gauge.set(value)
+        print(f"trainer: step {record['step']}/{self.cfg.max_steps} loss {record['loss']:.4f} "
+              f"kl {record['mismatch_kl']:.2e} masked {record['masked_fraction']:.3f} "
+              f"grad {record['grad_norm']:.3f} tok/s {record['tokens_per_second'] or 0:.0f} "
+              f"wait {record['wait_seconds']:.2f}s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``rlrun-runtime trainer --config PATH`` (under torchrun); exit code 0 after maxSteps, 2 on bad input."""
+    parser = argparse.ArgumentParser(prog="rlrun-runtime trainer", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=os.environ.get(c.ENV_CONFIG, c.CONFIG_PATH),
+                        help=f"the RLRun YAML (default ${c.ENV_CONFIG} or {c.CONFIG_PATH})")
+    args = parser.parse_args(argv)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker
+        die_with_parent()
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    try:
+        rlrun = load_rlrun(args.config)
+        root = os.environ.get(c.ENV_STORAGE_DIR)
+        if not root:
+            raise UsageError(f"{c.ENV_STORAGE_DIR} is not set; point it at the run's storage directory")
+        storage = RunStorage(root)
+        port_text = os.environ.get(c.ENV_TRAINER_METRICS_PORT, str(c.TRAINER_METRICS_PORT))
+        if not port_text.isdigit():
+            raise UsageError(f"{c.ENV_TRAINER_METRICS_PORT}={port_text!r} is not a port number; set it to one")
+        cfg = get_trainer_config(rlrun)
+        model_path = resolve_model(rlrun, storage)
+        rank, world, device = init_distributed(cfg.use_gpu)
+        try:
+            trainer = Trainer(rlrun, storage, model_path, rank, world, device)
+            return trainer.run(int(port_text) if int(port_text) > 0 else None)
+        finally:
+            dist.destroy_process_group()
+    except UsageError as exc:
+        print(f"rlrun-runtime trainer: {exc}", file=sys.stderr)
+        return 2
