@@ -127,7 +127,12 @@ def run_render(file: str, namespace: str | None, out: TextIO, err: TextIO) -> in
         print(f"{file}: {exc}", file=err)
         return EXIT_INVALID
     render = importlib.import_module("rlrun_operator.render")  # lazy: only this command needs it
-    manifests = render.render(rlrun)
+    render_error = importlib.import_module("rlrun_operator.render_metadata").RenderError
+    try:
+        manifests = render.render(rlrun)
+    except render_error as exc:  # a spec the renderer refuses (its message names the field and the fix)
+        print(f"{file}: {exc}", file=err)
+        return EXIT_INVALID
     out.write(yaml.safe_dump_all(manifests, sort_keys=False, default_flow_style=False))
     return EXIT_OK
 

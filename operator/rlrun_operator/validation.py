@@ -9,9 +9,10 @@
    expressions the API server checks. A rule is skipped on a node whose subtree failed step 1, so a
    wrong type does not also show up as a confusing rule failure.
 3. semantic checks that a schema cannot express (P:D sizing, autoscaling bounds against the sized pools,
-   trainer parallelism degrees, builtin environment names, the run's name as a prefix of its children's
-   names). They run only when step 1 found nothing, because they read many fields at once and need them
-   well typed; an error whose path a CEL rule already reported is not repeated.
+   trainer parallelism degrees, builtin environment names, metadata.name present, spec.pod.env not
+   replacing the runtime's own variables). They run only when step 1 found nothing, because they read
+   many fields at once and need them well typed; an error whose path a CEL rule already reported is not
+   repeated.
 
 ``status`` is not checked by ``validate()``: the API server ignores it in requests to the main resource.
 
@@ -368,11 +369,21 @@ def check_environment(environment: dict[str, Any]) -> list[FieldError]:
     return []
 
 
+def check_pod_env(pod: dict[str, Any]) -> list[FieldError]:
+    """spec.pod.env must not replace a variable the renderer sets for the runtime roles
+    (render_pod.RESERVED_ENV_NAMES); one error per offending entry."""
+    from rlrun_operator.render_pod import RESERVED_ENV_NAMES  # the renderer owns the list
+
+    return [FieldError(f"spec.pod.env[{i}].name", f"{entry['name']} is set by rlrun and read by the runtime "
+                                                  "roles; remove it from spec.pod.env")
+            for i, entry in enumerate(pod.get("env") or []) if entry.get("name") in RESERVED_ENV_NAMES]
+
+
 def check_semantics(rlrun: dict[str, Any]) -> list[FieldError]:
     """Semantic checks of a defaulted, schema-valid RLRun (see the module docstring)."""
     run_spec = rlrun["spec"]
     return [*check_name(rlrun.get("metadata")), *check_environment(run_spec["environment"]),
-            *check_parallelism(run_spec["trainer"]), *check_pools(run_spec)]
+            *check_parallelism(run_spec["trainer"]), *check_pools(run_spec), *check_pod_env(run_spec["pod"])]
 
 
 # --- all together --------------------------------------------------------------------------------
