@@ -480,3 +480,60 @@ def test_cli_bad_input_has_no_traceback(tiny_rlrun, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "spec.environment.name" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_plain_progress_prints_one_line_per_new_step(tmp_path):
+    from rlrun_runtime.local_progress import ProgressDisplay
+
+    metrics = tmp_path / "metrics.jsonl"
+    rows = _rows(3)
+    metrics.write_text(json.dumps(rows[0]) + "\n")  # a resumed run's earlier step
+    stream = io.StringIO()  # not a TTY: plain lines
+    with ProgressDisplay(metrics, None, 3, ["a-0"], stream) as display:
+        display.update()
+        display.update()
+        with open(metrics, "a") as handle:
+            handle.write(json.dumps(rows[1]) + "\n" + json.dumps(rows[2]) + "\n")
+        progress = display.update()
+    lines = stream.getvalue().splitlines()
+    assert [line.split(" reward")[0] for line in lines] == ["step 1/3", "step 3/3"]
+    assert progress.step == 3 and display.step_times.keys() == {2, 3}  # step 1 is not timed
+    assert progress.eta_seconds == 0.0
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for pid in read_process_table():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and pid != os.getpid():
+            found.append(pid)
+    return found
+
+
+@pytest.mark.vllm
+@pytest.mark.e2e
+@pytest.mark.timeout(480)
+def test_rlrun_local_tiny_run_end_to_end(tiny_rlrun, tmp_path):
+    """The real thing, shortened to 2 steps: vLLM on CPU, router, orchestrator, torchrun trainer."""
+    tiny_rlrun["spec"]["algorithm"]["maxSteps"] = 2
+    path = _write(tmp_path, tiny_rlrun)
+    out_dir = tmp_path / "out"
+    started = time.monotonic()
+    proc = subprocess.run(RLRUN + ["local", str(path), "--output-dir", str(out_dir)],
+                          capture_output=True, text=True, timeout=450)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "step 2/2" in proc.stdout and "succeeded" in proc.stdout
+    rows = parse_metrics_lines((out_dir / "metrics.jsonl").read_text())
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
+    assert (out_dir / "final" / "config.json").is_file() and (out_dir / "final" / "model.safetensors").is_file()
+    assert (out_dir / "plot.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in (out_dir / "logs").iterdir()) == sorted(
+        f"tiny-reverse-{n}.log" for n in ("trainer-0", "inference-0", "router-0", "orchestrator"))
+    assert (out_dir / "config" / "rlrun.yaml").is_file()
+    assert _processes_mentioning(str(out_dir)) == []
+    print(f"rlrun local, 2 steps: {elapsed:.0f} s")

@@ -221,6 +221,7 @@ class ProgressDisplay:
         self._last_printed_step: int | None = None
         self._live: Any = None
         self._exited: dict[str, int] = {}
+        self.tail.poll()  # rows of an earlier (resumed) run: shown, but not timed for the ETA
 
     @property
     def is_tty(self) -> bool:

@@ -40,6 +40,7 @@ def render_plot(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(len(series), 1, figsize=(7, 2.6 * len(series)), sharex=True)
     for ax, (label, steps, values) in zip(axes, series):
@@ -47,6 +48,7 @@ def render_plot(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") 
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
     axes[-1].set_xlabel("trainer step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     if title:
         axes[0].set_title(title)
     fig.tight_layout()
