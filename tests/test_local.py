@@ -315,6 +315,32 @@ def test_supervisor_job_success_stops_the_servers(tmp_path):
     assert _live(pids) == []
 
 
+@pytest.mark.timeout(60)
+def test_supervisor_lets_the_trainer_finish_after_the_job(tmp_path):
+    specs = [
+        _spec(tmp_path, "trainer-0", "StatefulSet", "import time; time.sleep(3); print('checkpoint saved')", "trainer"),
+        _spec(tmp_path, "orchestrator", "Job", "pass", "orchestrator"),
+    ]
+    supervisor = Supervisor(specs, grace_seconds=1.0, poll_seconds=0.1, finish_seconds=30)
+    supervisor.start()
+    outcome = supervisor.wait()
+    assert outcome.success and outcome.reason == "orchestrator finished"
+    assert supervisor.exits() == {"trainer-0": 0, "orchestrator": 0}  # exited by itself, not SIGTERMed
+    assert tail_lines_of(specs[0])[-1] == "checkpoint saved"
+
+    stuck = [_spec(tmp_path, "trainer-1", "StatefulSet", STUBBORN, "trainer"),
+             _spec(tmp_path, "orchestrator-1", "Job", "pass", "orchestrator")]
+    supervisor = Supervisor(stuck, grace_seconds=0.5, poll_seconds=0.1, finish_seconds=1.0)
+    supervisor.start()
+    outcome = supervisor.wait()
+    assert outcome.success and "trainer-1 still running after 1 s, stopped" in outcome.reason
+    assert supervisor.exits()["trainer-1"] == -9
+
+
+def tail_lines_of(spec):
+    return spec.log_path.read_text().splitlines()
+
+
 @pytest.mark.timeout(30)
 def test_supervisor_stop_event_interrupts(tmp_path):
     import threading
@@ -501,14 +527,16 @@ def test_plain_progress_prints_one_line_per_new_step(tmp_path):
     assert progress.eta_seconds == 0.0
 
 
-def _processes_mentioning(text: str) -> list[int]:
+def _processes_of_run(storage_dir: Path) -> list[int]:
+    """Live processes whose environment has RLRUN_STORAGE_DIR=storage_dir (vLLM's engine core included)."""
+    needle = f"{c.ENV_STORAGE_DIR}={storage_dir}".encode() + b"\0"
     found = []
-    for pid in read_process_table():
+    for pid, info in read_process_table().items():
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = Path(f"/proc/{pid}/environ").read_bytes() + b"\0"
         except OSError:
             continue
-        if text in cmdline and pid != os.getpid():
+        if needle in environ and info.state != "Z":
             found.append(pid)
     return found
 
@@ -535,5 +563,5 @@ def test_rlrun_local_tiny_run_end_to_end(tiny_rlrun, tmp_path):
     assert sorted(p.name for p in (out_dir / "logs").iterdir()) == sorted(
         f"tiny-reverse-{n}.log" for n in ("trainer-0", "inference-0", "router-0", "orchestrator"))
     assert (out_dir / "config" / "rlrun.yaml").is_file()
-    assert _processes_mentioning(str(out_dir)) == []
+    assert _processes_of_run(out_dir) == []
     print(f"rlrun local, 2 steps: {elapsed:.0f} s")

@@ -333,13 +333,11 @@ def _rewrite_paths(text: str, mounts: list[tuple[str, Path]]) -> str:
 def _field_value(pod: _Pod, field_path: str, namespace: str) -> str | None:
     if field_path in ("status.podIP", "status.hostIP"):
         return LOCAL_HOST
-    if field_path == "status.podIPs":
-        return LOCAL_HOST
     if field_path == "metadata.namespace":
         return namespace
     if field_path == "metadata.name":
         return pod.name
-    if field_path in ("spec.nodeName",):
+    if field_path == "spec.nodeName":
         return "localhost"
     if field_path == "spec.serviceAccountName":
         return pod.workload.get("spec", {}).get("template", {}).get("spec", {}).get("serviceAccountName", "default")

@@ -10,7 +10,9 @@ starts its workers in sessions of their own). ``become_subreaper`` keeps orphane
 
 What an exit means follows the workload it came from (what the Kubernetes controllers would do):
 
-- the Job's process (the orchestrator) exiting 0: the run succeeded; the others are stopped gracefully;
+- the Job's process (the orchestrator) exiting 0: the run succeeded; StatefulSet processes (the trainer,
+  still writing its last checkpoint) get ``finish_seconds`` to exit by themselves, a non-zero exit then
+  still fails the run; the others are stopped gracefully;
 - a StatefulSet process (the trainer) exiting 0: it finished its steps; the run goes on;
 - any other exit (non-zero or killed by a signal from any role, any exit of a Deployment's long-running
   server): the run failed; everything is stopped and the role is named with its last log lines.
@@ -31,6 +33,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from .local_plan import ProcessSpec
 
 DEFAULT_GRACE_SECONDS = 15.0
+DEFAULT_FINISH_SECONDS = 120.0  # how long the trainer may take to exit after the Job succeeded
 LOG_TAIL_LINES = 20
 
 
@@ -189,14 +192,17 @@ class Supervisor:
         cwd: working directory of every process (None: the caller's).
         grace_seconds: how long SIGTERMed groups get before SIGKILL.
         poll_seconds: how often exits are checked.
+        finish_seconds: after the Job succeeded, how long StatefulSet processes may take to exit by
+            themselves (the trainer writes its last checkpoint after publishing the last weights).
     """
 
     specs: Sequence[ProcessSpec]
     cwd: Path | None = None
     grace_seconds: float = DEFAULT_GRACE_SECONDS
     poll_seconds: float = 0.5
-    _running: list[_Running] = field(default_factory=list)
-    _known: dict[int, int] = field(default_factory=dict)  # descendant pid -> start time
+    finish_seconds: float = DEFAULT_FINISH_SECONDS
+    _running: list[_Running] = field(default_factory=list, init=False, repr=False)
+    _known: dict[int, int] = field(default_factory=dict, init=False, repr=False)  # descendant pid -> start time
 
     def start(self) -> None:
         """Start every process (own session, output appended to its log). On a start error, stop the others
@@ -261,7 +267,7 @@ class Supervisor:
             while True:
                 outcome = self.check()
                 if outcome is not None:
-                    return outcome
+                    return self._finish(outcome, stop_event) if outcome.success else outcome
                 if stop_event.is_set():
                     return Outcome(False, "interrupted; stopping every role")
                 now = time.monotonic()
@@ -271,6 +277,28 @@ class Supervisor:
                 stop_event.wait(self.poll_seconds)
         finally:
             self.stop()
+
+    def _finish(self, outcome: Outcome, stop_event: threading.Event) -> Outcome:
+        """After the Job succeeded, give StatefulSet processes (the trainer, which publishes the last weights
+        before it writes its last checkpoint) up to ``finish_seconds`` to exit on their own."""
+        deadline = time.monotonic() + self.finish_seconds
+        finishing = [s.name for s in self.specs if s.workload_kind == "StatefulSet"]
+        while time.monotonic() < deadline and not stop_event.is_set():
+            exits = self.exits()
+            failed = next((n for n in finishing if exits.get(n, 0) != 0), None)
+            if failed is not None:
+                spec = next(s for s in self.specs if s.name == failed)
+                return Outcome(False, f"{failed} ({spec.component or spec.workload_kind}) exited with code "
+                                      f"{exits[failed]} after {outcome.reason}", failed, exits[failed],
+                               tail_lines(spec.log_path))
+            if all(n in exits for n in finishing):
+                return outcome
+            stop_event.wait(self.poll_seconds)
+        running = [n for n in finishing if n not in self.exits()]
+        if running:
+            return Outcome(True, f"{outcome.reason}; {', '.join(running)} still running after "
+                                 f"{self.finish_seconds:.0f} s, stopped")
+        return outcome
 
     def alive(self) -> list[int]:
         """Pids of live (non-zombie) processes of the run: group members and tracked descendants."""
