@@ -1,6 +1,7 @@
 """The trainer as real processes (torchrun on CPU, gloo, FSDP2) on a tiny random Qwen3 with synthetic batches:
 weights published per step and loadable by transformers, metrics lines and Prometheus gauges, checkpoints,
-SIGKILL mid-run and resume with no lost or repeated step (and the same final weights as an uninterrupted run),
+SIGKILL mid-run and resume with no lost or repeated step (and the same final weights as an uninterrupted run
+on two ranks),
 bad input exits 2; plus the pure LR schedule and metrics truncation."""
 
 from __future__ import annotations
@@ -70,11 +71,11 @@ def _write_batch(storage: RunStorage, step: int) -> None:
                                                     "dropped_stale_groups": step % 2, "samples": samples})
 
 
-def _start(config: Path, storage: RunStorage, metrics_port: int = 0) -> subprocess.Popen:
+def _start(config: Path, storage: RunStorage, metrics_port: int = 0, nproc: int = 1) -> subprocess.Popen:
     env = dict(os.environ, RLRUN_STORAGE_DIR=str(storage.root), RLRUN_TRAINER_METRICS_PORT=str(metrics_port),
                OMP_NUM_THREADS="1")
     return subprocess.Popen(
-        [TORCHRUN, "--standalone", "--nproc-per-node=1", "-m", "rlrun_runtime", "trainer", "--config", str(config)],
+        [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "-m", "rlrun_runtime", "trainer", "--config", str(config)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -119,8 +120,8 @@ def test_trainer_publishes_checkpoints_and_resumes_after_sigkill(tmp_path):
     workers = []
     try:
         _wait_for(lambda: _steps(storage) == [1, 2, 3], proc)
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        assert "rlrun_trainer_step 3.0" in text
+        url = f"http://127.0.0.1:{port}/metrics"
+        _wait_for(lambda: "rlrun_trainer_step 3.0" in urllib.request.urlopen(url, timeout=5).read().decode(), proc)
         workers = psutil.Process(proc.pid).children(recursive=True)
         assert workers, "torchrun has no worker process"
     finally:
@@ -169,17 +170,20 @@ def test_trainer_publishes_checkpoints_and_resumes_after_sigkill(tmp_path):
     expected_lr = [1e-3 * get_lr_factor(s, "cosine", 1, MAX_STEPS) for s in range(1, MAX_STEPS + 1)]
     assert [r["lr"] for r in records] == pytest.approx(expected_lr)
 
-    # Reference: the same 5 steps without interruption end with the same weights (model, optimizer and data
-    # position restored exactly).
+    # Reference: the same 5 steps without interruption, on 2 ranks (gloo, FSDP2 sharding, strided batch split),
+    # end with the same weights: model, optimizer and data position were restored exactly, and the rank split
+    # does not change the update (up to float summation order).
     ref = RunStorage(tmp_path / "ref")
     for step in range(1, MAX_STEPS + 1):
         _write_batch(ref, step)
-    _finish(_start(config, ref))
+    assert "world 2" in _finish(_start(config, ref, nproc=2))
+    assert sorted(p.name for p in ref.checkpoint(MAX_STEPS).iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "rank-0.pt", "rank-1.pt", "trainer_state.json"]
     resumed = load_file(storage.weights(MAX_STEPS) / "model.safetensors")
     straight = load_file(ref.weights(MAX_STEPS) / "model.safetensors")
     assert resumed.keys() == straight.keys()
     for key in resumed:
-        torch.testing.assert_close(resumed[key], straight[key], atol=1e-6, rtol=1e-5, msg=key)
+        torch.testing.assert_close(resumed[key], straight[key], atol=2e-5, rtol=1e-4, msg=key)
     assert [r["loss"] for r in records] == pytest.approx(
         [json.loads(line)["loss"] for line in ref.metrics_file.read_text().splitlines()], abs=1e-6)
 
