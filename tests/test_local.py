@@ -3,7 +3,6 @@ expansion, the supervisor with real processes, progress parsing, the plot, and b
 
 from __future__ import annotations
 
-import copy
 import io
 import itertools
 import json

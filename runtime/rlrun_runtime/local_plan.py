@@ -170,10 +170,8 @@ def _pods_of(workload: dict[str, Any]) -> list[_Pod]:
     containers = pod_spec.get("containers") or []
     if len(containers) != 1:
         raise PlanError(f"{kind} {name}: pods with {len(containers)} containers cannot run locally (one expected)")
-    if kind == "Job":
-        count = int(spec.get("parallelism", 1) if spec.get("parallelism") is not None else 1)
-    else:
-        count = int(spec.get("replicas", 1) if spec.get("replicas") is not None else 1)
+    declared = spec.get("parallelism" if kind == "Job" else "replicas")
+    count = 1 if declared is None else int(declared)  # the API server's default for both is 1
     pods = []
     for i in range(count):
         pod_name = name if kind == "Job" and count == 1 else f"{name}-{i}"

@@ -144,18 +144,6 @@ def _live(pid: int, start_time: int, table: Mapping[int, ProcInfo]) -> bool:
     return info is not None and info.start_time == start_time and info.state != "Z"
 
 
-def group_alive(pgid: int, table: Mapping[int, ProcInfo] | None = None) -> bool:
-    """Whether a live (non-zombie) process of group ``pgid`` exists."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    table = read_process_table() if table is None else table
-    return any(info.pgid == pgid and info.state != "Z" for info in table.values())
-
-
 def become_subreaper() -> bool:
     """Make this process the reaper of its orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``).
 
