@@ -42,6 +42,7 @@ def test_cpu_both_args_parse_in_vllm(vllm_parser):
     assert parsed.tensor_parallel_size == 1 and parsed.data_parallel_size == 1
     assert parsed.enforce_eager is True
     assert parsed.logprobs_mode == "processed_logprobs"
+    assert parsed.worker_extension_cls == "rlrun_runtime.vllm_worker.RLRunWorkerExtension"
     assert parsed.kv_transfer_config is None
     assert "--tokenizer" not in args
 

@@ -29,6 +29,7 @@ import yaml
 from rlrun_operator import constants
 from rlrun_operator.spec import apply_defaults
 from rlrun_runtime.storage import RunStorage, list_steps
+from rlrun_runtime.vllm_worker import EXTENSION_QUALNAME
 
 ROLES = ("prefill", "decode", "both")
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -76,6 +77,8 @@ def get_vllm_args(spec: Mapping[str, Any], role: str, model: str, port: int,
         "--data-parallel-size", str(int(inference["dataParallel"])),
         # Logprobs of the sampled distribution (temperature and top-p applied): see the module docstring.
         "--logprobs-mode", "processed_logprobs",
+        # rlrun_reload_weights: in-place reload that also refreshes tied LM heads (rlrun_runtime.vllm_worker).
+        "--worker-extension-cls", EXTENSION_QUALNAME,
     ]
     if tokenizer:
         args += ["--tokenizer", str(tokenizer)]

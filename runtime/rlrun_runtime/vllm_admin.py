@@ -5,8 +5,9 @@ The endpoints exist when the server runs with ``VLLM_SERVER_DEV_MODE=1`` (vLLM 0
 engine directly, never through the router (which would pick one engine at random).
 
 Weight update on one engine (docs/runtime-contract.md): ``POST /pause?mode=keep`` (running requests are
-frozen in place and continue on resume) -> ``POST /collective_rpc`` ``reload_weights(weights_path=DIR)``
-(the workers reload an HF safetensors directory in place) -> ``POST /update_weight_version`` (what
+frozen in place and continue on resume) -> ``POST /collective_rpc`` ``rlrun_reload_weights(weights_path=DIR)``
+(the workers reload an HF safetensors directory in place with vLLM's ``reload_weights``, then refresh tied LM
+heads, which vLLM 0.32 on CPU leaves stale: :mod:`rlrun_runtime.vllm_worker`) -> ``POST /update_weight_version`` (what
 ``GET /weight_info`` reports) -> ``POST /reset_prefix_cache`` -> ``POST /resume``. Resume always runs,
 even when a step before it failed. vLLM refuses the prefix-cache reset while requests hold KV blocks
 (HTTP 200 with ``success: false``), which is expected after a ``keep`` pause; requests carry
@@ -20,9 +21,12 @@ import dataclasses
 import logging
 import socket
 import time
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import httpx
+
+from rlrun_runtime.vllm_worker import RELOAD_METHOD
 
 log = logging.getLogger(__name__)
 
@@ -104,10 +108,16 @@ class VLLMAdmin:
         """``GET /is_paused``."""
         return bool((await self._call("GET", "/is_paused")).json()["is_paused"])
 
-    async def reload_weights(self, weights_path: str) -> None:
-        """Reload every worker's weights in place from an HF safetensors directory (a path the engine sees)."""
+    async def reload_weights(self, weights_path: str, method: str = RELOAD_METHOD) -> None:
+        """Reload every worker's weights in place from an HF safetensors directory (a path the engine sees).
+
+        ``method`` is the worker method run through ``POST /collective_rpc``: rlrun's
+        ``rlrun_reload_weights`` (vLLM's ``reload_weights`` plus a refresh of tied LM heads, see
+        :mod:`rlrun_runtime.vllm_worker`; needs ``--worker-extension-cls``, which the inference role passes),
+        or vLLM's own ``reload_weights``.
+        """
         await self._call("POST", "/collective_rpc",
-                         json={"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}})
+                         json={"method": method, "kwargs": {"weights_path": str(weights_path)}})
 
     async def update_weight_version(self, version: int | str) -> None:
         """Set the version ``GET /weight_info`` reports (vLLM stores it as a string)."""
@@ -192,6 +202,7 @@ async def update_weights_everywhere(endpoints: str | Sequence[str], version: int
     Raises:
         EngineError: one or more engines failed (every other engine is still updated and resumed);
             the message names them.
+        ValueError: ``weights_path`` is not a directory (see :func:`update_engines`).
     """
     updates = await update_engines(resolve_engines(endpoints), version, weights_path,
                                    timeout_s=timeout_s, retries=retries)
@@ -200,7 +211,14 @@ async def update_weights_everywhere(endpoints: str | Sequence[str], version: int
 
 async def update_engines(engines: Sequence[str], version: int, weights_path: str, *,
                          timeout_s: float = DEFAULT_TIMEOUT_S, retries: int = DEFAULT_RETRIES) -> list[EngineUpdate]:
-    """:func:`update_engine` on each base URL in ``engines`` concurrently (see :func:`update_weights_everywhere`)."""
+    """:func:`update_engine` on each base URL in ``engines`` concurrently (see :func:`update_weights_everywhere`).
+
+    Raises:
+        ValueError: ``weights_path`` is not a directory here (engines share the run's storage, so a path
+            missing here is missing there; checked before any engine is paused).
+    """
+    if not Path(weights_path).is_dir():
+        raise ValueError(f"weights {weights_path} is not a directory on the shared storage; nothing was paused")
 
     async def one(url: str) -> EngineUpdate:
         async with VLLMAdmin(url, timeout_s=timeout_s, retries=retries) as admin:
