@@ -9,12 +9,13 @@ in-memory object store served over HTTP. What it lacks and this layer adds, the 
 - JSON patches whose ``test`` op fails answer 422 (kmock: 500); JSON-patch and merge-patch both supported;
 - the status subresource: PATCH .../status changes only ``status``; a PATCH of the main resource of a kind
   with a status subresource leaves ``status`` alone;
+- watches from a resourceVersion do not replay objects the client already listed (kmock replays all);
 - ``labelSelector`` on lists (equality, ``!=``, ``in``/``notin``, existence, ``!key``);
 - ownerReference garbage collection: when an object is gone, its dependents (by ownerReferences.uid) are
   deleted in the background, recursively (finalizers honoured: they only get a deletionTimestamp).
 Every write request (POST, PUT, PATCH, DELETE) is recorded in ``writes`` for the tests to count.
 Not emulated (the operator must not rely on them): admission, schema validation and defaulting, field
-selectors, watch resourceVersions, server-side apply, strategic merge (treated as merge).
+selectors, watch bookmarks and 410 Gone, server-side apply, strategic merge (treated as merge).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Write:
     name: str | None
     subresource: str | None
     status: int
+    body: Any = None
 
 
 def _api_version(resource: kmock.resource) -> str:
@@ -171,6 +173,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         kind = self.kind_of(request.resource)
         async with self.write_lock:
             key = (request.resource, request.namespace, request.name)
+            sent = copy.deepcopy(request.data)
             try:
                 if request.action == enums.action.CREATE:
                     self._prepare_create(request, kind)
@@ -178,14 +181,14 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                     self._prepare_update(request, key, kind)
             except kmock.KubernetesError as exc:
                 self.writes.append(Write(request.method.value, kind, request.namespace, request.name,
-                                         request.subresource, exc.status))
+                                         request.subresource, exc.status, sent))
                 return await self._render_error(exc)
             gone_uid = None
             if key in self.objects and not self.objects[key].deleted:
                 gone_uid = self.objects[key].raw.get("metadata", {}).get("uid")
             response = await super()._handle(request)
             self.writes.append(Write(request.method.value, kind, request.namespace, request.name,
-                                     request.subresource, response.status))
+                                     request.subresource, response.status, sent))
             if gone_uid and (key not in self.objects or self.objects[key].deleted):
                 await self._collect_garbage(gone_uid)
             return response
@@ -195,6 +198,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         if not isinstance(body, dict):
             raise kmock.KubernetesError(status=400, reason="BadRequest", message="body is not an object")
         meta = body.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
         if request.namespace:
             meta.setdefault("namespace", request.namespace)
         body.setdefault("apiVersion", _api_version(request.resource))
@@ -218,6 +223,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             raise kmock.KubernetesError(status=422, reason="Invalid", message=f"test failed: {exc}") from exc
         except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
             raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc)) from exc
+        new = copy.deepcopy(new)  # never share nested dicts with ``old``
         if request.subresource == "status":
             new = {**old, "status": new.get("status")} if new.get("status") is not None else \
                 {k: v for k, v in old.items() if k != "status"}
@@ -249,6 +255,17 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                                if match_selector(selector, (o.get("metadata") or {}).get("labels") or {})]
         result["metadata"]["resourceVersion"] = str(self.revision)
         return result
+
+    async def _serve_watch(self, request: kmock.Request) -> Any:
+        # kmock replays every existing object as ADDED; a watch from resourceVersion N (what a client
+        # passes after a list) must not see objects again that it already listed.
+        since = (request.params or {}).get("resourceVersion", "")
+        async for item in super()._serve_watch(request):
+            if since.isdigit() and isinstance(item, dict) and item.get("type") == "ADDED":
+                version = str((item.get("object") or {}).get("metadata", {}).get("resourceVersion", "0"))
+                if version.isdigit() and int(version) <= int(since):
+                    continue
+            yield item
 
     async def _collect_garbage(self, owner_uid: str) -> None:
         """Background-propagation deletion of the dependents of a deleted owner, recursively."""

@@ -4,18 +4,23 @@
 its own settings. Handlers:
 - startup: kopf settings (finalizer and annotation prefix under rlrun.dev, watch timeouts, Events only for
   warnings), the API client in ``memo.api`` unless the embedder put one there, an HTTP session for scrapes.
-- create / update (spec only) / resume: reconcile the children and write the status; update also prunes
+- create / update (spec only) / resume: reconcile the children, then write the status; update also prunes
   children the render no longer produces. A semantically invalid spec writes Ready=False reason InvalidSpec
-  and a Warning Event, and creates nothing.
-- timer (every ``status_interval`` seconds): refresh status from children and metrics; writes only when
-  something changed. kopf puts its finalizer (constants.FINALIZER) on served RLRuns because of it.
+  and one Warning Event, and creates nothing.
+- timer (every ``status_interval`` seconds): refresh the status from children and metrics. kopf puts its
+  finalizer (constants.FINALIZER) on served RLRuns because of it.
 - delete (optional, no finalizer of its own): forget the run's metric series.
+
+Status writes: the handlers and the timer of one run run concurrently in kopf, so each status write holds
+a per-run lock, reads the RLRun afresh, computes the wanted status against that fresh status and sends a
+merge patch to the status subresource only when something changed (an idle resync writes nothing).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 import kopf
@@ -34,23 +39,31 @@ WATCH_SERVER_TIMEOUT_S = 300
 WATCH_CLIENT_TIMEOUT_S = 330
 
 
-def write_status(body: Any, patch: kopf.Patch, change: StatusChange) -> None:
-    """Put a status change into kopf's patch (kopf writes it to the status subresource after the handler;
-    an empty change writes nothing) and post an Event on a phase transition."""
-    for key, value in change.patch.items():
-        patch.status[key] = value
-    meta = body["metadata"]
-    metrics.set_run_phase(meta["namespace"], meta["name"], change.new_phase)
-    if change.old_phase != change.new_phase:
-        kopf.event(body, type="Warning" if change.new_phase == PHASE_FAILED else "Normal",
-                   reason=change.new_phase, message=f"phase {change.old_phase or 'none'} -> {change.new_phase}")
-
-
 def _invalid_already_reported(rlrun: dict[str, Any], invalid: list[str]) -> bool:
     for cond in (rlrun.get("status") or {}).get("conditions") or []:
         if cond.get("type") == "Ready":
             return cond.get("reason") == REASON_INVALID_SPEC and cond.get("message") == "; ".join(invalid)
     return False
+
+
+async def publish_status(memo: kopf.Memo, namespace: str, name: str,
+                         compute: Callable[[dict[str, Any]], Awaitable[StatusChange]]) -> None:
+    """Under the run's lock: GET the RLRun, ``compute`` the change against it, write it to the status
+    subresource when not empty, count the phase, post an Event on a phase transition."""
+    if getattr(memo, "status_lock", None) is None:
+        memo.status_lock = asyncio.Lock()
+    async with memo.status_lock:
+        fresh = await memo.api.get(constants.KIND, namespace, name)
+        if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
+            return
+        change = await compute(fresh)
+        if change.patch:
+            await memo.api.merge_patch(constants.KIND, namespace, name, {"status": change.patch},
+                                       subresource="status")
+        metrics.set_run_phase(namespace, name, change.new_phase)
+        if change.old_phase != change.new_phase:
+            kopf.event(fresh, type="Warning" if change.new_phase == PHASE_FAILED else "Normal",
+                       reason=change.new_phase, message=f"phase {change.old_phase or 'none'} -> {change.new_phase}")
 
 
 def get_registry(status_interval: float = constants.OPERATOR_STATUS_INTERVAL_S) -> kopf.OperatorRegistry:
@@ -82,46 +95,57 @@ def get_registry(status_interval: float = constants.OPERATOR_STATUS_INTERVAL_S) 
         if http is not None:
             await http.close()
 
-    async def reconcile(body: Any, memo: kopf.Memo, patch: kopf.Patch, trigger: str, prune: bool,
-                        assume_absent: bool) -> None:
+    async def reconcile(body: Any, memo: kopf.Memo, trigger: str, prune: bool, assume_absent: bool) -> None:
         rlrun = get_rlrun(body)
+        meta = rlrun["metadata"]
         try:
             result = await reconcile_run(memo.api, rlrun, trigger, prune=prune, assume_absent=assume_absent)
+            if result.invalid:
+                workloads = await read_workloads(memo.api, meta["namespace"], meta["name"])
+            else:
+                workloads = get_workloads(result)
+                memo.reconciled_generation = meta.get("generation")
+            memo.invalid = result.invalid
+
+            async def compute(fresh: dict[str, Any]) -> StatusChange:
+                if result.invalid and not _invalid_already_reported(fresh, result.invalid):
+                    kopf.event(fresh, type="Warning", reason=REASON_INVALID_SPEC, message="; ".join(result.invalid))
+                reconciled = getattr(memo, "reconciled_generation", None) or \
+                    (fresh.get("status") or {}).get("observedGeneration")
+                return plan_status(fresh, workloads, None, reconciled, result.invalid)
+
+            await publish_status(memo, meta["namespace"], meta["name"], compute)
         except (ApiError, ApplyConflict) as exc:
             raise kopf.TemporaryError(f"reconcile failed: {exc}", delay=RETRY_DELAY_S) from exc
-        memo.invalid = result.invalid
-        generation = rlrun["metadata"].get("generation")
-        if result.invalid:
-            if not _invalid_already_reported(rlrun, result.invalid):
-                kopf.event(body, type="Warning", reason=REASON_INVALID_SPEC, message="; ".join(result.invalid))
-            meta = rlrun["metadata"]
-            workloads = await read_workloads(memo.api, meta["namespace"], meta["name"])
-            reconciled = (rlrun.get("status") or {}).get("observedGeneration")
-            write_status(body, patch, plan_status(rlrun, workloads, None, reconciled, result.invalid))
-            return
-        write_status(body, patch, plan_status(rlrun, get_workloads(result), None, generation, []))
+        memo.reconciled = True
 
     @kopf.on.create(*RESOURCE, registry=registry, backoff=RETRY_DELAY_S)
-    async def on_create(body: Any, memo: kopf.Memo, patch: kopf.Patch, **_: Any) -> None:
-        await reconcile(body, memo, patch, "create", prune=False, assume_absent=True)
+    async def on_create(body: Any, memo: kopf.Memo, **_: Any) -> None:
+        await reconcile(body, memo, "create", prune=False, assume_absent=True)
 
     @kopf.on.update(*RESOURCE, field="spec", registry=registry, backoff=RETRY_DELAY_S)
-    async def on_update(body: Any, memo: kopf.Memo, patch: kopf.Patch, **_: Any) -> None:
-        await reconcile(body, memo, patch, "update", prune=True, assume_absent=False)
+    async def on_update(body: Any, memo: kopf.Memo, **_: Any) -> None:
+        await reconcile(body, memo, "update", prune=True, assume_absent=False)
 
     @kopf.on.resume(*RESOURCE, registry=registry, backoff=RETRY_DELAY_S)
-    async def on_resume(body: Any, memo: kopf.Memo, patch: kopf.Patch, **_: Any) -> None:
-        await reconcile(body, memo, patch, "resume", prune=False, assume_absent=False)
+    async def on_resume(body: Any, memo: kopf.Memo, **_: Any) -> None:
+        await reconcile(body, memo, "resume", prune=False, assume_absent=False)
 
     @kopf.timer(*RESOURCE, registry=registry, interval=status_interval, initial_delay=status_interval)
-    async def refresh(body: Any, memo: kopf.Memo, patch: kopf.Patch, **_: Any) -> None:
-        rlrun = get_rlrun(body)
-        invalid = getattr(memo, "invalid", None) or []
+    async def refresh(body: Any, memo: kopf.Memo, **_: Any) -> None:
+        if not getattr(memo, "reconciled", False):
+            return  # the create/resume handler has not finished yet (it writes the first status)
+        meta = body["metadata"]
+
+        async def compute(fresh: dict[str, Any]) -> StatusChange:
+            reconciled = getattr(memo, "reconciled_generation", None) or \
+                (fresh.get("status") or {}).get("observedGeneration")
+            return await refresh_run(memo.api, memo.http, fresh, reconciled, getattr(memo, "invalid", None) or [])
+
         try:
-            change = await refresh_run(memo.api, memo.http, rlrun, invalid)
+            await publish_status(memo, meta["namespace"], meta["name"], compute)
         except ApiError as exc:
             raise kopf.TemporaryError(f"status refresh failed: {exc}", delay=RETRY_DELAY_S) from exc
-        write_status(body, patch, change)
 
     @kopf.on.delete(*RESOURCE, registry=registry, optional=True)
     async def forget(body: Any, **_: Any) -> None:

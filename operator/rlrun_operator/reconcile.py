@@ -1,6 +1,5 @@
 """One reconcile of a run (validate -> render -> create-or-patch children) and one status refresh (read
-children and metrics -> status). Called by the kopf handlers in handlers.py; no kopf imports here except
-for the status write, which the handlers hand over as kopf's ``patch``.
+children and metrics -> status). Called by the kopf handlers in handlers.py; no kopf imports here.
 """
 
 from __future__ import annotations
@@ -132,7 +131,7 @@ def plan_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress
 
 
 async def refresh_run(api: KubeApi, session: aiohttp.ClientSession, rlrun: dict[str, Any],
-                      invalid: list[str]) -> StatusChange:
+                      reconciled_generation: int | None, invalid: list[str]) -> StatusChange:
     """Read the run's workloads and pods, scrape its orchestrator and inference pods, re-export the
     scraped values as operator metrics, and return the status change (empty when nothing changed)."""
     meta = rlrun["metadata"]
@@ -144,5 +143,4 @@ async def refresh_run(api: KubeApi, session: aiohttp.ClientSession, rlrun: dict[
         raise
     progress, depth = await observe.read_progress(session, pods)
     metrics.set_run_progress(meta["namespace"], meta["name"], progress, depth)
-    reconciled = (rlrun.get("status") or {}).get("observedGeneration")
-    return plan_status(rlrun, workloads, progress, reconciled, invalid)
+    return plan_status(rlrun, workloads, progress, reconciled_generation, invalid)

@@ -1,0 +1,361 @@
+"""The real operator (kopf over HTTP) against kmock with the fidelity layer of tests/kube.py.
+
+The tests play the cluster's controllers through the API: they set Deployment/StatefulSet/Job status via
+the status subresource, create Pods with loopback IPs, and serve the orchestrator's metrics from a
+prometheus_client server bound on 127.0.0.x. Writes are counted on the emulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from kube import FidelityEmulator, run_operator, serve_kubernetes, wait_for
+from rlrun_operator import constants
+from rlrun_operator.kubeapi import KubeApi, get_api_client
+from rlrun_operator.render import render
+from rlrun_operator.spec import apply_defaults
+
+ROOT = Path(__file__).resolve().parents[1]
+INTERVAL = 0.5  # status refresh interval of the operator under test, seconds
+STANDARD_LABELS = (constants.LABEL_NAME, constants.LABEL_INSTANCE, constants.LABEL_COMPONENT,
+                   constants.LABEL_PART_OF, constants.LABEL_MANAGED_BY)
+WORKLOADS = {"Deployment", "StatefulSet", "Job"}
+CHILD_KINDS = {"ConfigMap", "PersistentVolumeClaim", "ServiceAccount", "Role", "RoleBinding", "Service",
+               "NetworkPolicy", "StatefulSet", "Deployment", "Job"}
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def make_run(name: str, namespace: str, disaggregated: bool = False) -> dict[str, Any]:
+    """examples/rlrun-tiny.yaml renamed; optionally with prefill/decode disaggregation (2 replicas)."""
+    run = yaml.safe_load((ROOT / "examples" / "rlrun-tiny.yaml").read_text())
+    run["metadata"] = {"name": name, "namespace": namespace}
+    if disaggregated:
+        run["spec"]["inference"]["disaggregation"] = {"enabled": True, "ratio": "1:1", "replicas": 2}
+    return run
+
+
+def children(emu: FidelityEmulator, namespace: str, name: str) -> list[dict[str, Any]]:
+    """Every object of the run's child kinds labelled instance=<name> in ``namespace``."""
+    sel = f"{constants.LABEL_INSTANCE}={name}"
+    return [o for kind in sorted(CHILD_KINDS) for o in emu.find(kind, namespace, sel)]
+
+
+def one(emu: FidelityEmulator, kind: str, namespace: str, name: str) -> dict[str, Any]:
+    found = [o for o in emu.find(kind, namespace) if o["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind} {namespace}/{name}: {len(found)} objects"
+    return found[0]
+
+
+def run_status(emu: FidelityEmulator, namespace: str, name: str) -> dict[str, Any]:
+    found = [o for o in emu.find(constants.KIND, namespace) if o["metadata"]["name"] == name]
+    return (found[0].get("status") or {}) if found else {}
+
+
+def event_reasons(emu: FidelityEmulator, namespace: str, name: str) -> set[str]:
+    """Reasons of the Events posted about RLRun ``name``."""
+    return {e["reason"] for e in emu.find("Event", namespace) if e["involvedObject"]["name"] == name}
+
+
+def condition(status: dict[str, Any], ctype: str) -> dict[str, Any]:
+    return next(c for c in status.get("conditions", []) if c["type"] == ctype)
+
+
+async def play_ready(api: KubeApi, emu: FidelityEmulator, namespace: str, name: str) -> None:
+    """Be the Deployment/StatefulSet/Job controllers: every workload of the run reports all its replicas
+    ready and updated for its current generation."""
+    for obj in [o for kind in WORKLOADS for o in emu.find(kind, namespace, f"{constants.LABEL_INSTANCE}={name}")]:
+        meta = obj["metadata"]
+        if obj["kind"] == "Job":
+            status = {"active": 1, "ready": 1}
+        else:
+            n = obj["spec"].get("replicas", 1)
+            status = {"observedGeneration": meta["generation"], "replicas": n, "readyReplicas": n,
+                      "updatedReplicas": n, "availableReplicas": n}
+        await api.merge_patch(obj["kind"], namespace, meta["name"], {"status": status}, subresource="status")
+
+
+def serve_orchestrator_metrics(step: int, version: int, reward: float) -> tuple[str, Any]:
+    """A prometheus_client server on a random 127.0.0.x at the orchestrator metrics port, exposing the
+    progress metrics. Returns (ip, server) — call server.shutdown()."""
+    registry = CollectorRegistry()
+    Gauge(constants.METRIC_STEP, "step", registry=registry).set(step)
+    Gauge(constants.METRIC_POLICY_VERSION, "version", registry=registry).set(version)
+    Gauge(constants.METRIC_LAST_REWARD, "reward", registry=registry).set(reward)
+    Gauge(constants.METRIC_WEIGHT_UPDATE_IN_FLIGHT, "flight", registry=registry).set(0)
+    for _ in range(20):
+        ip = f"127.0.0.{random.randint(20, 250)}"
+        try:
+            server, _thread = start_http_server(constants.ORCHESTRATOR_METRICS_PORT, addr=ip, registry=registry)
+        except OSError:
+            continue
+        return ip, server
+    raise RuntimeError("no free 127.0.0.x address for the metrics server")
+
+
+async def create_pod(api: KubeApi, namespace: str, run: str, component: str, ip: str) -> None:
+    """A Running pod of the run with a loopback podIP (what the kubelet would report)."""
+    await api.create({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": f"{run}-{component}-x1", "namespace": namespace,
+                     "labels": {constants.LABEL_INSTANCE: run, constants.LABEL_COMPONENT: component}},
+        "spec": {"containers": [{"name": "main", "image": "runtime"}]},
+    })
+    await api.merge_patch("Pod", namespace, f"{run}-{component}-x1",
+                          {"status": {"phase": "Running", "podIP": ip}}, subresource="status")
+
+
+def test_create_gives_every_child_with_labels_owner_and_status() -> None:
+    async def scenario() -> None:
+        async with serve_kubernetes() as (emu, url):
+            api = KubeApi(get_api_client(url))
+            async with run_operator(url, status_interval=INTERVAL):
+                created = await api.create(make_run("alpha", "ns1", disaggregated=True))
+                uid = created["metadata"]["uid"]
+                await wait_for(lambda: run_status(emu, "ns1", "alpha").get("phase") == "Initializing")
+                live = children(emu, "ns1", "alpha")
+                expected = render(apply_defaults({**created, "status": {}}))
+                assert sorted((o["kind"], o["metadata"]["name"]) for o in live) == \
+                    sorted((m["kind"], m["metadata"]["name"]) for m in expected)
+                assert {o["metadata"]["name"] for o in live if o["kind"] == "Deployment"} == \
+                    {"alpha-prefill", "alpha-decode", "alpha-router"}
+                for obj in live:
+                    labels = obj["metadata"]["labels"]
+                    assert all(k in labels for k in STANDARD_LABELS), obj["metadata"]["name"]
+                    assert labels[constants.LABEL_INSTANCE] == "alpha"
+                    assert labels[constants.LABEL_MANAGED_BY] == constants.MANAGED_BY
+                    (ref,) = obj["metadata"]["ownerReferences"]
+                    assert (ref["uid"], ref["kind"], ref["name"], ref["controller"]) == (uid, "RLRun", "alpha", True)
+                    assert constants.ANNOTATION_SPEC_HASH in obj["metadata"]["annotations"]
+                status = run_status(emu, "ns1", "alpha")
+                assert status["observedGeneration"] == 1
+                assert status["replicas"]["prefill"] == {"desired": 1, "ready": 0, "updated": 0}
+                assert status["replicas"]["trainer"] == {"desired": 1, "ready": 0, "updated": 0}
+                assert [c["type"] for c in status["conditions"]] == [
+                    "Ready", "TrainerReady", "InferenceReady", "RouterReady", "OrchestratorReady",
+                    "Progressing", "Degraded"]
+                assert condition(status, "Ready")["status"] == "False"
+                assert all(c["observedGeneration"] == 1 for c in status["conditions"])
+                run = one(emu, constants.KIND, "ns1", "alpha")
+                assert run["metadata"]["finalizers"] == [constants.FINALIZER]
+                # Each child was written exactly once (its create).
+                assert emu.write_count(CHILD_KINDS) == len(expected)
+                await wait_for(lambda: "Initializing" in event_reasons(emu, "ns1", "alpha"))
+
+    asyncio.run(scenario())
+
+
+def test_status_follows_children_and_orchestrator_metrics_until_succeeded() -> None:
+    async def scenario() -> None:
+        async with serve_kubernetes() as (emu, url):
+            api = KubeApi(get_api_client(url))
+            ip, metrics_server = serve_orchestrator_metrics(step=3, version=3, reward=0.625)
+            try:
+                async with run_operator(url, status_interval=INTERVAL):
+                    await api.create(make_run("beta", "ns1"))
+                    await wait_for(lambda: run_status(emu, "ns1", "beta").get("phase") == "Initializing")
+                    await play_ready(api, emu, "ns1", "beta")
+                    await create_pod(api, "ns1", "beta", constants.COMPONENT_ORCHESTRATOR, ip)
+                    await wait_for(lambda: run_status(emu, "ns1", "beta").get("step") == 3)
+                    status = run_status(emu, "ns1", "beta")
+                    assert status["phase"] == "Running"
+                    assert (status["policyVersion"], status["lastReward"]) == (3, 0.625)
+                    assert condition(status, "Ready")["status"] == "True"
+                    assert condition(status, "Ready")["reason"] == "AllRolesReady"
+                    assert status["replicas"]["inference"] == {"desired": 1, "ready": 1, "updated": 1}
+                    ready_since = condition(status, "Ready")["lastTransitionTime"]
+
+                    # An idle resync writes nothing.
+                    before = emu.write_count()
+                    await asyncio.sleep(4 * INTERVAL)
+                    assert emu.write_count() == before
+                    assert condition(run_status(emu, "ns1", "beta"), "Ready")["lastTransitionTime"] == ready_since
+
+                    # The orchestrator Job completes: Succeeded, completionTime, an Event.
+                    await api.merge_patch("Job", "ns1", "beta-orchestrator", {"status": {
+                        "active": 0, "ready": 0, "succeeded": 1,
+                        "conditions": [{"type": "Complete", "status": "True"}]}}, subresource="status")
+                    await wait_for(lambda: run_status(emu, "ns1", "beta").get("phase") == "Succeeded")
+                    status = run_status(emu, "ns1", "beta")
+                    assert status["completionTime"] >= status["startTime"]
+                    assert condition(status, "Ready")["reason"] == "Succeeded"
+                    assert condition(status, "Progressing")["status"] == "False"
+                    await wait_for(lambda: {"Initializing", "Running", "Succeeded"} <= event_reasons(emu, "ns1", "beta"))
+            finally:
+                metrics_server.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_vllm_args_change_rolls_inference_only_and_keeps_live_replicas() -> None:
+    async def scenario() -> None:
+        async with serve_kubernetes() as (emu, url):
+            api = KubeApi(get_api_client(url))
+            async with run_operator(url, status_interval=INTERVAL):
+                await api.create(make_run("gamma", "ns1", disaggregated=True))
+                await wait_for(lambda: run_status(emu, "ns1", "gamma").get("observedGeneration") == 1)
+                # Someone (an autoscaler) scales decode to 3.
+                await api.merge_patch("Deployment", "ns1", "gamma-decode", {"spec": {"replicas": 3}})
+                trainer_before = one(emu, "StatefulSet", "ns1", "gamma-trainer")
+                hashes = {n: one(emu, "Deployment", "ns1", f"gamma-{n}")["spec"]["template"]["metadata"]
+                          ["annotations"][constants.ANNOTATION_CONFIG_HASH] for n in ("prefill", "decode")}
+                writes_before = len(emu.writes)
+                await api.merge_patch(constants.KIND, "ns1", "gamma",
+                                      {"spec": {"inference": {"vllmArgs": ["--max-num-seqs", "64"]}}})
+                await wait_for(lambda: run_status(emu, "ns1", "gamma").get("observedGeneration") == 2)
+                for n in ("prefill", "decode"):
+                    dep = one(emu, "Deployment", "ns1", f"gamma-{n}")
+                    new_hash = dep["spec"]["template"]["metadata"]["annotations"][constants.ANNOTATION_CONFIG_HASH]
+                    assert new_hash != hashes[n]
+                assert one(emu, "Deployment", "ns1", "gamma-decode")["spec"]["replicas"] == 3
+                assert one(emu, "Deployment", "ns1", "gamma-prefill")["spec"]["replicas"] == 1
+                assert one(emu, "StatefulSet", "ns1", "gamma-trainer") == trainer_before
+                patched = {(w.kind, w.name) for w in emu.writes[writes_before:] if w.method == "PATCH"
+                           and w.kind in CHILD_KINDS}
+                assert patched == {("ConfigMap", "gamma-config"), ("Deployment", "gamma-prefill"),
+                                   ("Deployment", "gamma-decode")}
+                sent = [w.body for w in emu.writes[writes_before:] if w.kind == "Deployment"]
+                assert sent and not any("/spec/replicas" in str(body) for body in sent)
+
+    asyncio.run(scenario())
+
+
+def test_suspend_scales_to_zero_and_resume_restores_live_replicas() -> None:
+    async def scenario() -> None:
+        async with serve_kubernetes() as (emu, url):
+            api = KubeApi(get_api_client(url))
+            async with run_operator(url, status_interval=INTERVAL):
+                await api.create(make_run("delta", "ns1", disaggregated=True))
+                await wait_for(lambda: run_status(emu, "ns1", "delta").get("observedGeneration") == 1)
+                await api.merge_patch("Deployment", "ns1", "delta-decode", {"spec": {"replicas": 3}})
+                await api.merge_patch(constants.KIND, "ns1", "delta", {"spec": {"suspend": True}})
+                await wait_for(lambda: run_status(emu, "ns1", "delta").get("observedGeneration") == 2)
+                assert run_status(emu, "ns1", "delta")["phase"] == "Suspended"
+                assert one(emu, "Deployment", "ns1", "delta-decode")["spec"]["replicas"] == 0
+                assert one(emu, "Deployment", "ns1", "delta-prefill")["spec"]["replicas"] == 0
+                assert one(emu, "Deployment", "ns1", "delta-router")["spec"]["replicas"] == 0
+                assert one(emu, "StatefulSet", "ns1", "delta-trainer")["spec"]["replicas"] == 0
+                assert one(emu, "Job", "ns1", "delta-orchestrator")["spec"]["suspend"] is True
+                assert len(emu.find("Job", "ns1")) == 1  # suspended in place, not replaced
+                await api.merge_patch(constants.KIND, "ns1", "delta", {"spec": {"suspend": False}})
+                await wait_for(lambda: run_status(emu, "ns1", "delta").get("observedGeneration") == 3)
+                decode = one(emu, "Deployment", "ns1", "delta-decode")
+                assert decode["spec"]["replicas"] == 3
+                assert constants.ANNOTATION_REPLICAS_BEFORE_SUSPEND not in decode["metadata"]["annotations"]
+                assert one(emu, "Deployment", "ns1", "delta-prefill")["spec"]["replicas"] == 1
+                assert one(emu, "StatefulSet", "ns1", "delta-trainer")["spec"]["replicas"] == 1
+                assert one(emu, "Job", "ns1", "delta-orchestrator")["spec"]["suspend"] is False
+                assert run_status(emu, "ns1", "delta")["phase"] == "Initializing"
+
+    asyncio.run(scenario())
+
+
+def test_delete_removes_children_through_owner_references() -> None:
+    async def scenario() -> None:
+        async with serve_kubernetes() as (emu, url):
+            api = KubeApi(get_api_client(url))
+            async with run_operator(url, status_interval=INTERVAL):
+                await api.create(make_run("eps", "ns1"))
+                await wait_for(lambda: run_status(emu, "ns1", "eps").get("phase") == "Initializing")
+                assert len(children(emu, "ns1", "eps")) == 14
+                await api.delete(constants.KIND, "ns1", "eps")
+                await wait_for(lambda: not emu.find(constants.KIND, "ns1"))
+                await wait_for(lambda: not children(emu, "ns1", "eps"))
+                # The operator itself deleted nothing: the garbage collector did.
+                assert not [w for w in emu.writes if w.method == "DELETE" and w.kind in CHILD_KINDS]
+
+    asyncio.run(scenario())
+
+
+def test_invalid_spec_reports_invalid_spec_creates_nothing_and_recovers() -> None:
+    async def scenario() -> None:
+        async with serve_kubernetes() as (emu, url):
+            api = KubeApi(get_api_client(url))
+            async with run_operator(url, status_interval=INTERVAL):
+                bad = make_run("zeta", "team-a")
+                bad["spec"]["environment"]["name"] = "no-such-task"
+                await api.create(bad)
+                await api.create(make_run("zeta", "team-b"))
+                await wait_for(lambda: condition(run_status(emu, "team-a", "zeta"), "Ready")["reason"]
+                               == "InvalidSpec" if run_status(emu, "team-a", "zeta") else False)
+                await wait_for(lambda: run_status(emu, "team-b", "zeta").get("phase") == "Initializing")
+                status = run_status(emu, "team-a", "zeta")
+                assert status["phase"] == "Pending"
+                assert "spec.environment.name" in condition(status, "Ready")["message"]
+                assert children(emu, "team-a", "zeta") == []
+                assert len(children(emu, "team-b", "zeta")) == 14
+                await wait_for(lambda: "InvalidSpec" in event_reasons(emu, "team-a", "zeta"))
+                warnings = [e for e in emu.find("Event", "team-a") if e["reason"] == "InvalidSpec"]
+                assert len(warnings) == 1 and warnings[0]["type"] == "Warning"
+                assert "spec.environment.name" in warnings[0]["message"]
+                # Still invalid on the next resyncs: no second Event.
+                await asyncio.sleep(3 * INTERVAL)
+                assert len([e for e in emu.find("Event", "team-a") if e["reason"] == "InvalidSpec"]) == 1
+                # Fixing the spec recovers.
+                await api.merge_patch(constants.KIND, "team-a", "zeta",
+                                      {"spec": {"environment": {"name": "reverse-words"}}})
+                await wait_for(lambda: condition(run_status(emu, "team-a", "zeta"), "Ready")["reason"]
+                               == "RolesNotReady")
+                assert run_status(emu, "team-a", "zeta")["phase"] == "Initializing"
+                assert len(children(emu, "team-a", "zeta")) == 14
+
+    asyncio.run(scenario())
+
+
+def test_operator_restart_makes_no_duplicates_and_no_writes() -> None:
+    async def scenario() -> None:
+        async with serve_kubernetes() as (emu, url):
+            api = KubeApi(get_api_client(url))
+            async with run_operator(url, status_interval=INTERVAL):
+                await api.create(make_run("eta", "ns1", disaggregated=True))
+                await wait_for(lambda: run_status(emu, "ns1", "eta").get("phase") == "Initializing")
+                await play_ready(api, emu, "ns1", "eta")
+                await wait_for(lambda: run_status(emu, "ns1", "eta").get("phase") == "Running")
+                await asyncio.sleep(3 * INTERVAL)
+            before_writes = len(emu.writes)
+            before = sorted((o["kind"], o["metadata"]["name"], o["metadata"]["resourceVersion"])
+                            for o in children(emu, "ns1", "eta"))
+            async with run_operator(url, status_interval=INTERVAL):
+                await asyncio.sleep(6 * INTERVAL)  # resume handler plus several status refreshes
+            after = sorted((o["kind"], o["metadata"]["name"], o["metadata"]["resourceVersion"])
+                           for o in children(emu, "ns1", "eta"))
+            assert after == before
+            assert emu.writes[before_writes:] == []
+            assert run_status(emu, "ns1", "eta")["phase"] == "Running"
+
+    asyncio.run(scenario())
+
+
+def test_two_runs_in_two_namespaces_stay_isolated() -> None:
+    async def scenario() -> None:
+        async with serve_kubernetes() as (emu, url):
+            api = KubeApi(get_api_client(url))
+            async with run_operator(url, status_interval=INTERVAL):
+                one_run = await api.create(make_run("same", "ns1"))
+                two_run = await api.create(make_run("same", "ns2", disaggregated=True))
+                for ns in ("ns1", "ns2"):
+                    await wait_for(lambda ns=ns: run_status(emu, ns, "same").get("phase") == "Initializing")
+                for ns, run in (("ns1", one_run), ("ns2", two_run)):
+                    for obj in children(emu, ns, "same"):
+                        assert obj["metadata"]["namespace"] == ns
+                        assert obj["metadata"]["ownerReferences"][0]["uid"] == run["metadata"]["uid"]
+                assert {o["metadata"]["name"] for o in emu.find("Deployment", "ns1")} == {"same-inference", "same-router"}
+                assert {o["metadata"]["name"] for o in emu.find("Deployment", "ns2")} == \
+                    {"same-prefill", "same-decode", "same-router"}
+                await play_ready(api, emu, "ns2", "same")
+                await wait_for(lambda: condition(run_status(emu, "ns2", "same"), "TrainerReady")["status"] == "True")
+                assert condition(run_status(emu, "ns1", "same"), "TrainerReady")["status"] == "False"
+                await api.delete(constants.KIND, "ns1", "same")
+                await wait_for(lambda: not children(emu, "ns1", "same"))
+                assert len(children(emu, "ns2", "same")) == 16  # prefill and decode: 2 more than ns1
+                assert len(children(emu, "ns1", "same")) == 0
+
+    asyncio.run(scenario())
