@@ -521,9 +521,9 @@ def test_plain_progress_prints_one_line_per_new_step(tmp_path):
             handle.write(json.dumps(rows[1]) + "\n" + json.dumps(rows[2]) + "\n")
         progress = display.update()
     lines = stream.getvalue().splitlines()
-    assert [line.split(" reward")[0] for line in lines] == ["step 1/3", "step 3/3"]
+    assert [line.split(" reward")[0] for line in lines] == ["step 1/3", "step 2/3", "step 3/3"]
     assert progress.step == 3 and display.step_times.keys() == {2, 3}  # step 1 is not timed
-    assert progress.eta_seconds == 0.0
+    assert progress.eta_seconds is None  # steps 2 and 3 arrived in one poll: no timing yet
 
 
 def _processes_of_run(storage_dir: Path) -> list[int]:

@@ -115,9 +115,9 @@ def get_progress(rows: Sequence[Mapping[str, Any]], orchestrator: Mapping[str, f
     eta = None
     if len(step_times) >= 2:
         first, latest = min(step_times), max(step_times)
-        per_step = (step_times[latest] - step_times[first]) / (latest - first) if latest > first else None
-        if per_step is not None:
-            eta = max(0, max_steps - step) * per_step
+        seconds = step_times[latest] - step_times[first]
+        if latest > first and seconds > 0:  # steps read in the same poll carry no timing
+            eta = max(0, max_steps - step) * seconds / (latest - first)
     reward = _number(last, "reward_mean")
     if reward is None and c.METRIC_LAST_REWARD in orchestrator:
         reward = orchestrator[c.METRIC_LAST_REWARD]
@@ -246,7 +246,8 @@ class ProgressDisplay:
     def update(self, exited: Mapping[str, int] | None = None) -> Progress:
         """Read new metrics, scrape the orchestrator, refresh the display; returns the snapshot."""
         now = time.monotonic()
-        for row in self.tail.poll():
+        new_rows = self.tail.poll()
+        for row in new_rows:
             step = _number(row, "step")
             if step is not None:
                 self.step_times.setdefault(int(step), now)
@@ -256,9 +257,18 @@ class ProgressDisplay:
         self._exited = dict(exited or {})
         if self._live is not None:
             self._live.update(self._renderable())
-        elif self.progress.step != self._last_printed_step and self.progress.step > 0:
-            self._last_printed_step = self.progress.step
-            print(render_line(self.progress), file=self.stream, flush=True)
+            return self.progress
+        # plain output: one line per step, also when several steps arrived since the last poll
+        done = len(self.tail.rows) - len(new_rows)
+        if self._last_printed_step is None and done > 0:
+            done -= 1  # a resumed run: show where it stands once
+        for i in range(done, len(self.tail.rows)):
+            rows = self.tail.rows[: i + 1]
+            snapshot = self.progress if i == len(self.tail.rows) - 1 else get_progress(
+                rows, orchestrator, self.max_steps, self.step_times, self.started_at, now)
+            if snapshot.step > 0 and snapshot.step != self._last_printed_step:
+                self._last_printed_step = snapshot.step
+                print(render_line(snapshot), file=self.stream, flush=True)
         return self.progress
 
     def _renderable(self) -> Any:
