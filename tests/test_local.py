@@ -564,3 +564,29 @@ def test_rlrun_local_tiny_run_end_to_end(tiny_rlrun, tmp_path):
     assert (out_dir / "config" / "rlrun.yaml").is_file()
     assert _processes_of_run(out_dir) == []
     print(f"rlrun local, 2 steps: {elapsed:.0f} s")
+
+
+@pytest.mark.timeout(60)
+def test_roles_die_with_a_killed_supervisor(tmp_path):
+    """Even a SIGKILLed `rlrun local` leaves no role behind (PR_SET_PDEATHSIG on every role)."""
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from pathlib import Path
+        from rlrun_runtime.local_plan import ProcessSpec
+        from rlrun_runtime.local_processes import Supervisor
+        spec = ProcessSpec("s-0", "", "Deployment", (sys.executable, "-c", "import time; time.sleep(600)"),
+                           dict(os.environ), Path({str(tmp_path / 's-0.log')!r}))
+        supervisor = Supervisor([spec])
+        supervisor.start()
+        print(supervisor.pids["s-0"], flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([PY, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    assert _live([child]) == [child]
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _live([child]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _live([child]) == []

@@ -333,8 +333,8 @@ def run_plan(plan: LocalPlan, run_spec: Mapping[str, Any], name: str, output_dir
         supervisor = Supervisor(plan.processes, cwd=Path.cwd(), grace_seconds=grace_seconds)
         display = ProgressDisplay(storage.metrics_file, f"http://{LOCAL_HOST}:{port}/metrics" if port else None,
                                   int(run_spec["algorithm"]["maxSteps"]), [p.name for p in plan.processes], out)
+        supervisor.start()  # before the display's refresh thread exists (the children fork a clean process)
         with display:
-            supervisor.start()
             outcome = supervisor.wait(stop, on_tick=lambda: display.update(supervisor.exits()))
             display.update(supervisor.exits())
     except KeyboardInterrupt:  # Ctrl-C while the model is being built: no role has started yet

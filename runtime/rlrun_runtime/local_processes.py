@@ -6,7 +6,8 @@ period, then SIGKILLs the group, so that helpers a role started (vLLM's engine-c
 workers) go with it. Groups are stopped even after their leader exited, because its children may live on,
 and every descendant seen while the run went on is tracked by pid and start time and killed too (torchrun
 starts its workers in sessions of their own). ``become_subreaper`` keeps orphaned descendants under
-``rlrun local`` so that they stay visible.
+``rlrun local`` so that they stay visible. Each role also gets SIGTERM from the kernel if the supervisor
+itself dies (``PR_SET_PDEATHSIG``), so not even a SIGKILLed ``rlrun local`` leaves its roles running.
 
 What an exit means follows the workload it came from (what the Kubernetes controllers would do):
 
@@ -144,6 +145,26 @@ def _live(pid: int, start_time: int, table: Mapping[int, ProcInfo]) -> bool:
     return info is not None and info.start_time == start_time and info.state != "Z"
 
 
+def _libc_prctl() -> Callable[..., int] | None:
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _libc_prctl()
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when the supervisor dies, even by SIGKILL (Linux)."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
 def become_subreaper() -> bool:
     """Make this process the reaper of its orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``).
 
@@ -151,13 +172,7 @@ def become_subreaper() -> bool:
     is then re-parented to ``rlrun local`` instead of init, so the supervisor still finds and stops it.
     Returns False where the call is unavailable (non-Linux).
     """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER = 36 (linux/prctl.h)
-    except (OSError, AttributeError):
-        return False
+    return _PRCTL is not None and _PRCTL(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
 @dataclass
@@ -204,7 +219,8 @@ class Supervisor:
                     log.flush()
                     popen = subprocess.Popen(
                         list(spec.argv), env=dict(spec.env), cwd=self.cwd, stdin=subprocess.DEVNULL,
-                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                        preexec_fn=_die_with_parent)
             except OSError:
                 self.stop()
                 raise
