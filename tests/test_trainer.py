@@ -30,6 +30,7 @@ from rlrun_runtime.trainer import get_lr_factor
 from tiny_qwen3 import VOCAB, save_model_dir
 
 MAX_STEPS = 5
+EMPTY_STEP = 4
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
@@ -67,8 +68,10 @@ def _write_batch(storage: RunStorage, step: int) -> None:
                 "inference_logprobs": [-math.log(VOCAB) + rng.uniform(-0.3, 0.3) for _ in completion],
                 "reward": k / 3, "advantage": k / 3 - 0.5, "policy_version": step - 1, "group": group,
             })
-    atomic_write_json(storage.rollout_batch(step), {"step": step, "policy_versions": [step - 1],
-                                                    "dropped_stale_groups": step % 2, "samples": samples})
+    batch = {"step": step, "policy_versions": [step - 1], "dropped_stale_groups": step % 2, "samples": samples}
+    if step == EMPTY_STEP:  # the orchestrator dropped every group (no signal): nothing to train on
+        batch.update(samples=[], reward_mean=1.0, dropped_zero_advantage_groups=2)
+    atomic_write_json(storage.rollout_batch(step), batch)
 
 
 def _start(config: Path, storage: RunStorage, metrics_port: int = 0, nproc: int = 1) -> subprocess.Popen:
@@ -163,9 +166,15 @@ def test_trainer_publishes_checkpoints_and_resumes_after_sigkill(tmp_path):
                     "time"):
             assert r[key] is not None, key
         assert r["policy_version"] == r["step"]
-        assert r["reward_mean"] == pytest.approx(0.5)
         assert r["dropped_stale_groups"] == r["step"] % 2
-        assert 0 < r["mismatch_kl"] < 1
+        if r["step"] == EMPTY_STEP:
+            assert (r["num_samples"], r["reward_mean"], r["dropped_zero_advantage_groups"]) == (0, 1.0, 2)
+        else:
+            assert r["reward_mean"] == pytest.approx(0.5)
+            assert 0 < r["mismatch_kl"] < 1 and r["num_tokens"] > 0
+    # an empty batch still publishes a policy version (the weights of the step before)
+    before, empty = (load_file(storage.weights(s) / "model.safetensors") for s in (EMPTY_STEP - 1, EMPTY_STEP))
+    assert all(torch.equal(before[k], empty[k]) for k in before)
     # the scheduler state survived the restart: cosine after one warm-up step over d = 4 decay steps
     expected_lr = [1e-3 * get_lr_factor(s, "cosine", 1, MAX_STEPS) for s in range(1, MAX_STEPS + 1)]
     assert [r["lr"] for r in records] == pytest.approx(expected_lr)

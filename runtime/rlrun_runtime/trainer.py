@@ -137,8 +137,9 @@ def get_metrics_record(step: int, batch: dict[str, Any], loss: float, metrics: L
 
     ``reward_mean`` is the batch file's ``reward_mean`` when the orchestrator wrote one (the mean over every
     scored rollout, before zero-advantage groups were filtered), else the mean reward of the trained samples.
-    ``tokens_per_second`` counts real (non-padding) input tokens of all ranks over ``train_seconds``
-    (forward, backward and optimizer step; waiting and publishing excluded).
+    The batch file's other ``dropped_*`` counters are copied as they are. ``tokens_per_second`` counts real
+    (non-padding) input tokens of all ranks over ``train_seconds`` (forward, backward and optimizer step;
+    waiting and publishing excluded).
     """
     samples = batch["samples"]
     rewards = [s["reward"] for s in samples if "reward" in s]
@@ -146,7 +147,7 @@ def get_metrics_record(step: int, batch: dict[str, Any], loss: float, metrics: L
     if reward_mean is None:
         reward_mean = sum(rewards) / len(rewards) if rewards else None
     versions = [s.get("policy_version") for s in samples if s.get("policy_version") is not None]
-    return {
+    record = {
         "step": step,
         "policy_version": step,
         "reward_mean": reward_mean,
@@ -167,6 +168,8 @@ def get_metrics_record(step: int, batch: dict[str, Any], loss: float, metrics: L
         "min_sample_policy_version": min(versions) if versions else None,
         "time": time.time(),
     }
+    record.update({k: v for k, v in batch.items() if k.startswith("dropped_") and k not in record})
+    return record
 
 
 # --- I/O -------------------------------------------------------------------------------------------
@@ -267,6 +270,9 @@ def start_metrics_server(port: int) -> dict[str, Any]:
 
     Returns:
         The gauges by key: step, loss, mismatch_kl, tokens_per_second, wait_seconds.
+
+    Raises:
+        UsageError: the port cannot be bound.
     """
     from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
@@ -282,7 +288,12 @@ def start_metrics_server(port: int) -> dict[str, Any]:
         "wait_seconds": Gauge(c.METRIC_TRAINER_WAIT_SECONDS, "Seconds the last step waited for its batch.",
                               registry=registry),
     }
-    start_http_server(port, addr=os.environ.get(c.ENV_POD_IP) or "127.0.0.1", registry=registry)
+    host = os.environ.get(c.ENV_POD_IP) or "127.0.0.1"
+    try:
+        start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise UsageError(f"{c.ENV_TRAINER_METRICS_PORT}: cannot serve metrics on {host}:{port} ({exc.strerror}); "
+                         "free the port or set another (0 turns the server off)") from None
     return gauges
 
 
@@ -404,16 +415,20 @@ class Trainer:
     def train_step(self, step: int, batch: dict[str, Any]) -> tuple[float, LossMetrics, float, int, int, float]:
         """Forward/backward over this rank's micro-batches, clip, optimizer and scheduler step.
 
+        A batch without samples (the orchestrator dropped every group) skips the optimizer step: the step
+        publishes unchanged weights as the next policy version.
+
         Returns:
             ``(loss, metrics, grad_norm, num_tokens, num_loss_tokens, lr)`` summed over every rank; ``lr`` is
             the rate this step used.
         """
         samples = batch["samples"]
-        if not samples:
-            raise ValueError(f"rollouts/step-{step}: the batch has no samples")
+        lr = self.optimizer.param_groups[0]["lr"]
+        if not samples:  # nothing to learn from (every group dropped): same weights, the schedule moves on
+            self.scheduler.step()
+            return 0.0, LossMetrics(), 0.0, 0, 0, lr
         total = max(1, count_loss_tokens(samples))
         micro_batches = get_micro_batches(samples, self.cfg.micro_batch_size, self.rank, self.world, self.pad_id)
-        lr = self.optimizer.param_groups[0]["lr"]
         loss_sum = torch.zeros((), dtype=torch.float64)
         metrics = LossMetrics()
         num_tokens = 0
@@ -456,6 +471,8 @@ class Trainer:
             if self.rank == 0:
                 record = get_metrics_record(step, batch, loss, metrics, grad_norm, lr, num_tokens, loss_tokens,
                                             waited, train_seconds, published)
+                if self.device.type == "cuda":
+                    record["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
                 append_jsonl(self.storage.metrics_file, record)
                 self._report(record)
             if step % self.cfg.checkpoint_interval == 0 or step == self.cfg.max_steps:
