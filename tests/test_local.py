@@ -162,6 +162,10 @@ def test_plan_disaggregated_gives_every_replica_its_own_ports(tiny_rlrun, tmp_pa
     # <name>-prefill:8000,<name>-decode:8000 (headless) -> every pod's endpoint
     assert orch.env[c.ENV_INFERENCE_ENDPOINTS] == ",".join(f"{LOCAL_HOST}:{p}" for p in inference_ports)
     assert all(p.env["FOO"] == "x-tiny-reverse" for p in plan.processes)
+    services = _service_names(manifests)
+    for p in plan.processes:
+        for value in list(p.env.values()) + list(p.argv):
+            assert not any(re.search(rf"\b{re.escape(s)}\b", value) for s in services), value
     assert len(plan.warnings) == 1 and "Secret tokens" in plan.warnings[0]
     assert all(p.name in plan.warnings[0] for p in plan.processes)
 
