@@ -133,6 +133,7 @@ class Orchestrator:
         self.leftover: list[Group] = []
         self.seed_rng = random.Random(int(spec["environment"].get("seed", 0)))
         self._round_robin = itertools.count()
+        self._loaded_identity: tuple[int, int] | None = None
         self._client: httpx.AsyncClient | None = None
 
     # --- start-up -----------------------------------------------------------------------------------
@@ -193,6 +194,11 @@ class Orchestrator:
         engines = resolve_engines(self.endpoints)
         infos = await asyncio.gather(*(self._weight_info(url) for url in engines))
         behind = [url for url, version in zip(engines, infos) if version != target]
+        identity = self._identity(target)
+        if target > 0 and target == self.loaded_version and identity != self._loaded_identity:
+            # The trainer re-published this version (it resumed from an older checkpoint): reload everywhere.
+            log.info("weights %s were re-published: reloading every engine", step_name(target))
+            behind = list(engines)
         if behind:
             if target == 0:
                 # Version 0 is the initial model every engine starts from: only name it.
@@ -211,12 +217,30 @@ class Orchestrator:
                     self.metrics.weight_update_seconds.observe(update.latency_ms / 1000.0)
                 log.info("policy version %d loaded on %s in %s ms", target, ", ".join(behind),
                          ", ".join(f"{u.latency_ms:.0f}" for u in updates))
+                append_jsonl(self.weight_updates_file, {
+                    "version": target, "time": time.time(),
+                    "latency_ms": {u.engine: round(u.latency_ms, 3) for u in updates},
+                    "prefix_cache_reset": {u.engine: u.prefix_cache_reset for u in updates}})
+        self._loaded_identity = identity
         if target != self.loaded_version:
             self.loaded_version = target
             self.metrics.policy_version.set(target)
             self.version_changed.set()
             self.delete_old_weights(target)
         return True
+
+    @property
+    def weight_updates_file(self) -> Path:
+        """``orchestrator/weight-updates.jsonl``: one line per update (version, per-engine pause->resume ms)."""
+        return self.storage.orchestrator_state.parent / "weight-updates.jsonl"
+
+    def _identity(self, version: int) -> tuple[int, int] | None:
+        """(inode, mtime ns) of ``weights/step-version``: changes when the trainer re-publishes it."""
+        try:
+            info = os.stat(self.storage.weights(version))
+        except OSError:
+            return None
+        return info.st_ino, info.st_mtime_ns
 
     async def _weight_info(self, url: str) -> int | None:
         async with VLLMAdmin(url, timeout_s=10, retries=1) as admin:
@@ -366,10 +390,13 @@ class Orchestrator:
     async def batch_loop(self, next_step: int, cursor: int) -> None:
         """Write batches ``next_step`` .. maxSteps, each once the async gate lets it be generated."""
         for step in range(next_step, self.max_steps + 1):
+            waited = time.monotonic()
             while self.loaded_version < 0 or not may_generate(step, self.loaded_version, self.max_async):
                 self.version_changed.clear()
                 await self.version_changed.wait()
+            waited = time.monotonic() - waited
             batch, cursor = await self.make_batch(step, cursor)
+            batch["gate_wait_seconds"] = round(waited, 3)  # inference idle, waiting for newer weights
             atomic_write_json(self.storage.rollout_batch(step), batch)
             atomic_write_json(self.storage.orchestrator_state, {"next_step": step + 1, "prompt_cursor": cursor})
             self.metrics.batch_step.set(step)
