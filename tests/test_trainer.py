@@ -76,7 +76,7 @@ def _write_batch(storage: RunStorage, step: int) -> None:
 
 def _start(config: Path, storage: RunStorage, metrics_port: int = 0, nproc: int = 1) -> subprocess.Popen:
     env = dict(os.environ, RLRUN_STORAGE_DIR=str(storage.root), RLRUN_TRAINER_METRICS_PORT=str(metrics_port),
-               OMP_NUM_THREADS="1")
+               RLRUN_BIND_HOST="127.0.0.1", OMP_NUM_THREADS="1")
     return subprocess.Popen(
         [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", "-m", "rlrun_runtime", "trainer", "--config", str(config)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -266,7 +266,8 @@ def publish_weights(model: torch.nn.Module, path: Path, template_dir: Path, dtyp
 
 
 def start_metrics_server(port: int) -> dict[str, Any]:
-    """Serve Prometheus gauges on ``port`` (rank 0): on ``POD_IP`` in a pod, else loopback.
+    """Serve Prometheus gauges on ``port`` (first rank of a node) at ``RLRUN_BIND_HOST`` (default all interfaces,
+    as every role; ``rlrun local`` sets 127.0.0.1).
 
     Returns:
         The gauges by key: step, loss, mismatch_kl, tokens_per_second, wait_seconds.
@@ -288,7 +289,7 @@ def start_metrics_server(port: int) -> dict[str, Any]:
         "wait_seconds": Gauge(c.METRIC_TRAINER_WAIT_SECONDS, "Seconds the last step waited for its batch.",
                               registry=registry),
     }
-    host = os.environ.get(c.ENV_POD_IP) or "127.0.0.1"
+    host = os.environ.get(c.ENV_BIND_HOST, "").strip() or c.DEFAULT_BIND_HOST
     try:
         start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
@@ -455,8 +456,14 @@ class Trainer:
                 count_loss_tokens(samples), lr)
 
     def run(self, metrics_port: int | None) -> int:
-        """Train from the resume point to maxSteps; returns 0."""
-        if self.rank == 0 and metrics_port is not None:
+        """Train from the resume point to maxSteps; returns 0.
+
+        The first rank of every node (``LOCAL_RANK`` 0) serves the Prometheus gauges, so each trainer pod
+        answers its probes; the step's values are all-reduced, so every node reports the same. Only global
+        rank 0 writes ``metrics.jsonl`` and prints progress.
+        """
+        serves = int(os.environ.get("LOCAL_RANK", "0")) == 0 and metrics_port is not None
+        if serves:
             self.gauges = start_metrics_server(metrics_port)
         start = self.resume()
         if self.rank == 0:
@@ -468,24 +475,23 @@ class Trainer:
             train_seconds = time.monotonic() - t0
             published = publish_weights(self.model, self.storage.weights(step), self.template_dir,
                                         self.publish_dtype, self.tied)
-            if self.rank == 0:
+            if self.rank == 0 or self.gauges:
                 record = get_metrics_record(step, batch, loss, metrics, grad_norm, lr, num_tokens, loss_tokens,
                                             waited, train_seconds, published)
                 if self.device.type == "cuda":
                     record["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-                append_jsonl(self.storage.metrics_file, record)
-                self._report(record)
+                if self.rank == 0:
+                    append_jsonl(self.storage.metrics_file, record)
+                    self._print(record)
+                for key, gauge in (self.gauges or {}).items():
+                    if record.get(key) is not None:
+                        gauge.set(record[key])
             if step % self.cfg.checkpoint_interval == 0 or step == self.cfg.max_steps:
                 ckpt.save_checkpoint(self.storage, step, self.model, self.optimizer, self.scheduler,
                                      self.cfg.checkpoint_keep)
         return 0
 
-    def _report(self, record: dict[str, Any]) -> None:
-        if self.gauges:
-            for key, gauge in self.gauges.items():
-                value = record.get(key)
-                if value is not None:
-                    gauge.set(value)
+    def _print(self, record: dict[str, Any]) -> None:
         print(f"trainer: step {record['step']}/{self.cfg.max_steps} loss {record['loss']:.4f} "
               f"kl {record['mismatch_kl']:.2e} masked {record['masked_fraction']:.3f} "
               f"grad {record['grad_norm']:.3f} tok/s {record['tokens_per_second'] or 0:.0f} "
