@@ -26,7 +26,8 @@ from safetensors.torch import load_file
 
 from rlrun_runtime.checkpoint import find_latest_checkpoint, truncate_metrics
 from rlrun_runtime.storage import RunStorage, atomic_write_json
-from rlrun_runtime.trainer import get_lr_factor
+from rlrun_operator.spec import apply_defaults
+from rlrun_runtime.trainer import get_lr_factor, get_unsupported_fields
 from tiny_qwen3 import VOCAB, save_model_dir
 
 MAX_STEPS = 5
@@ -221,3 +222,15 @@ def test_truncate_metrics_keeps_steps_up_to_checkpoint(tmp_path):
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "lo')
     assert truncate_metrics(path, 2) == 2
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_unimplemented_spec_fields_are_refused():
+    def spec(**trainer):
+        return apply_defaults({"spec": {"model": {"name": "m"}, "environment": {"type": "builtin", "name": "x"},
+                                        "trainer": trainer}})
+
+    assert get_unsupported_fields(spec(), world_size=2) == []
+    assert get_unsupported_fields(spec(parallelism={"fsdp": 2}), world_size=2) == []
+    found = get_unsupported_fields(spec(lora={"rank": 8}, quantization="fp8", parallelism={"cp": 2, "fsdp": 4}), 2)
+    assert [f.split(":")[0] for f in found] == ["spec.trainer.lora.rank", "spec.trainer.quantization",
+                                                "spec.trainer.parallelism", "spec.trainer.parallelism.fsdp"]

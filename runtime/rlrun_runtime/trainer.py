@@ -83,6 +83,28 @@ def get_trainer_config(rlrun: dict[str, Any]) -> TrainerConfig:
     )
 
 
+def get_unsupported_fields(rlrun: dict[str, Any], world_size: int) -> list[str]:
+    """Spec fields this trainer does not implement yet, each as "field: why; the fix" (empty when all is fine).
+
+    The trainer trains every parameter with FSDP over all ranks in the spec's dtype; silently ignoring LoRA,
+    low-precision matmuls, expert/context parallelism or a partial FSDP degree would run a different
+    experiment than the spec describes.
+    """
+    trainer = rlrun["spec"]["trainer"]
+    out = []
+    if trainer["lora"]["rank"] > 0:
+        out.append("spec.trainer.lora.rank: LoRA is not implemented by the trainer; set it to 0 (full fine-tuning)")
+    if trainer["quantization"] != "none":
+        out.append(f"spec.trainer.quantization: {trainer['quantization']} training is not implemented; set none")
+    par = trainer["parallelism"]
+    if par["ep"] != 1 or par["cp"] != 1:
+        out.append("spec.trainer.parallelism: expert and context parallelism are not implemented; set ep and cp to 1")
+    if par["fsdp"] not in (-1, world_size):
+        out.append(f"spec.trainer.parallelism.fsdp: {par['fsdp']} does not match the {world_size} trainer ranks "
+                   "(hybrid sharding is not implemented); set -1")
+    return out
+
+
 def get_lr_factor(step: int, schedule: str, warmup_steps: int, max_steps: int) -> float:
     """Multiplier of the peak learning rate for optimizer step ``step`` (1-based).
 
@@ -520,6 +542,10 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"{c.ENV_TRAINER_METRICS_PORT}={port_text!r} is not a port number; set it to one")
         cfg = get_trainer_config(rlrun)
         model_path = resolve_model(rlrun, storage)
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        unsupported = get_unsupported_fields(rlrun, world_size)
+        if unsupported:
+            raise UsageError("; ".join(unsupported))
         rank, world, device = init_distributed(cfg.use_gpu)
         try:
             trainer = Trainer(rlrun, storage, model_path, rank, world, device)
