@@ -310,3 +310,25 @@ def test_real_run_async_gate_weight_updates_metrics_and_resume(tmp_path, router)
         batch4 = json.loads(storage.rollout_batch(4).read_text())
         assert min(s["group"] for s in batch4["samples"]) >= state["prompt_cursor"]
         assert httpx.get(f"{engine_url}/weight_info").json()["weight_version"] == "5"
+
+
+# --- bad input: exit code 2 before anything starts -------------------------------------------------------
+
+
+@pytest.mark.parametrize("change,env_drop,needle", [
+    ({"environment": {"type": "builtin", "name": "sort-words"}}, None, "spec.environment.name"),
+    ({}, constants.ENV_INFERENCE_ENDPOINTS, constants.ENV_INFERENCE_ENDPOINTS),
+    ({}, constants.ENV_STORAGE_DIR, constants.ENV_STORAGE_DIR),
+])
+def test_bad_input_exits_2_naming_the_field(tmp_path, change, env_drop, needle):
+    rlrun = tiny_rlrun()
+    rlrun["spec"].update(change)
+    config = write_config(tmp_path / "run.yaml", rlrun)
+    env = role_env(tmp_path / "storage", **{constants.ENV_INFERENCE_ENDPOINTS: "127.0.0.1:9",
+                                            constants.ENV_METRICS_PORT: str(free_port())})
+    if env_drop:
+        env.pop(env_drop)
+    result = subprocess.run([sys.executable, "-m", "rlrun_runtime.cli", "orchestrator", "--config", str(config)],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr and "Traceback" not in result.stderr
