@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -33,8 +34,9 @@ from rlrun_operator import constants
 from .environments.builtin import WORDS, ReverseWords, render_answer, render_prompt
 from .storage import RunStorage, atomic_directory
 
-# Bump whenever anything below changes the built files: the cache key includes it.
-MODEL_VERSION = "1"
+# Bump whenever the build code changes the built files; the cache key also hashes every size and
+# warm-up constant below (see cache_key), so tuning one of them can never reuse a stale cache entry.
+MODEL_VERSION = "2"
 
 EOS_TOKEN = "<|endoftext|>"
 VOCAB_SIZE = 512           # tokenizer vocabulary upper bound and the embedding size
@@ -65,9 +67,19 @@ def cache_root() -> Path:
     return Path(base) / "rlrun"
 
 
+def get_build_parameters(seed: int) -> dict[str, Any]:
+    """Everything a build depends on besides the code: sizes, warm-up, the task's word list, the seed."""
+    return {"model_version": MODEL_VERSION, "seed": seed, "vocab_size": VOCAB_SIZE, "hidden_size": HIDDEN_SIZE,
+            "intermediate_size": INTERMEDIATE_SIZE, "num_layers": NUM_LAYERS, "num_heads": NUM_HEADS,
+            "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "max_positions": MAX_POSITIONS,
+            "warmup_steps": WARMUP_STEPS, "warmup_batch": WARMUP_BATCH, "warmup_lr": WARMUP_LR,
+            "warmup_task_seed": WARMUP_TASK_SEED, "words": list(WORDS)}
+
+
 def cache_key(seed: int) -> str:
-    """Name of the cache entry of a build: ``tiny-v<MODEL_VERSION>-seed<seed>``."""
-    return f"tiny-v{MODEL_VERSION}-seed{seed}"
+    """Name of the cache entry of a build: ``tiny-v<MODEL_VERSION>-seed<seed>-<hash of the parameters>``."""
+    digest = hashlib.sha256(json.dumps(get_build_parameters(seed), sort_keys=True).encode()).hexdigest()[:12]
+    return f"tiny-v{MODEL_VERSION}-seed{seed}-{digest}"
 
 
 @contextlib.contextmanager
@@ -193,7 +205,7 @@ def create_tiny_model_files(out_dir: Path, seed: int = 0, warmup_steps: int = WA
         GenerationConfig(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.eos_token_id).save_pretrained(out_dir)
         (out_dir / "rlrun-tiny.json").write_text(json.dumps(
-            {"model_version": MODEL_VERSION, "seed": seed, "warmup_steps": warmup_steps}), encoding="utf-8")
+            {**get_build_parameters(seed), "warmup_steps": warmup_steps}, sort_keys=True), encoding="utf-8")
     finally:
         torch.set_num_threads(threads)
 
