@@ -190,9 +190,12 @@ def create_tiny_model_files(out_dir: Path, seed: int = 0, warmup_steps: int = WA
     """
     import torch
     from transformers import GenerationConfig, Qwen3ForCausalLM
+    from transformers.utils import logging as hf_logging
 
     threads = torch.get_num_threads()
+    bars = hf_logging.is_progress_bar_enabled()
     torch.set_num_threads(1)
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in the roles' logs
     try:
         tokenizer = train_tokenizer(get_tokenizer_corpus())
         torch.manual_seed(seed)
@@ -208,6 +211,8 @@ def create_tiny_model_files(out_dir: Path, seed: int = 0, warmup_steps: int = WA
             {**get_build_parameters(seed), "warmup_steps": warmup_steps}, sort_keys=True), encoding="utf-8")
     finally:
         torch.set_num_threads(threads)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
