@@ -71,6 +71,17 @@ def test_gpu_replica_is_not_eager_and_keeps_kv_buffer_default(vllm_parser):
     assert parsed.tokenizer == "/data/model"
 
 
+def test_revision_applies_to_the_hugging_face_id_only(vllm_parser):
+    rlrun = tiny_rlrun()
+    rlrun["spec"]["model"].update({"name": "Qwen/Qwen3-0.6B", "revision": "abc123"})
+    spec = spec_of(rlrun)
+    parsed = vllm_parser.parse_args(get_vllm_args(spec, "both", "Qwen/Qwen3-0.6B", 1))
+    assert parsed.revision == "abc123" and parsed.tokenizer_revision is None
+    parsed = vllm_parser.parse_args(get_vllm_args(spec, "both", "/data/weights/step-000004", 1,
+                                                  tokenizer="Qwen/Qwen3-0.6B"))
+    assert parsed.revision is None and parsed.tokenizer_revision == "abc123"
+
+
 def test_user_vllm_args_come_last_and_win(vllm_parser):
     rlrun = tiny_rlrun()
     rlrun["spec"]["inference"]["vllmArgs"] = ["--max-model-len", "64", "--gpu-memory-utilization", "0.5"]

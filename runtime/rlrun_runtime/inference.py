@@ -82,6 +82,12 @@ def get_vllm_args(spec: Mapping[str, Any], role: str, model: str, port: int,
     ]
     if tokenizer:
         args += ["--tokenizer", str(tokenizer)]
+    revision = spec["model"].get("revision")
+    if revision:  # spec.model.revision applies to the Hugging Face id only, never to a directory
+        if str(model) == spec["model"]["name"]:
+            args += ["--revision", str(revision)]
+        if tokenizer and str(tokenizer) == spec["model"]["name"]:
+            args += ["--tokenizer-revision", str(revision)]
     if on_cpu:
         # CUDA graphs do not exist on CPU; eager start-up is ~2x faster (field notes).
         args.append("--enforce-eager")

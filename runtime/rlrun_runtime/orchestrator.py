@@ -478,7 +478,9 @@ def main(argv: list[str]) -> int:
 
     from rlrun_runtime.tiny_model import ensure_model
 
-    tokenizer = AutoTokenizer.from_pretrained(ensure_model(spec, storage))
+    model = ensure_model(spec, storage)
+    revision = spec["model"].get("revision") if model == spec["model"]["name"] else None
+    tokenizer = AutoTokenizer.from_pretrained(model, revision=revision)
     metrics = OrchestratorMetrics(int(spec["algorithm"]["maxSteps"]))
     server, _ = metrics.serve(int(metrics_port), addr=env.get(constants.ENV_BIND_HOST, "").strip() or constants.DEFAULT_BIND_HOST)
     orchestrator = Orchestrator(spec, storage, environment, tokenizer, endpoints,
