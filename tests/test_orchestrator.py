@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import http.server
 import json
 import math
 import shutil
@@ -332,3 +334,114 @@ def test_bad_input_exits_2_naming_the_field(tmp_path, change, env_drop, needle):
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr and "Traceback" not in result.stderr
+
+
+# --- weight reconciliation against stand-in engines (real HTTP, vLLM's admin API shape) -----------------
+
+
+class FakeEngineHandler(http.server.BaseHTTPRequestHandler):
+    """Speaks the part of vLLM's admin API the orchestrator uses; records every call."""
+
+    version = "default"
+    calls: list[tuple[str, object]] = []
+
+    def _reply(self, payload):
+        body = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):  # noqa: N802
+        assert self.path == "/weight_info", self.path
+        self._reply({"weight_version": type(self).version})
+
+    def do_POST(self):  # noqa: N802
+        length = int(self.headers.get("content-length") or 0)
+        payload = json.loads(self.rfile.read(length)) if length else None
+        type(self).calls.append((self.path, payload))
+        if self.path == "/update_weight_version":
+            type(self).version = payload["new_version"]
+        self._reply({"success": True} if self.path == "/reset_prefix_cache" else {"status": "ok"})
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_engines():
+    servers = []
+
+    def start(version: str = "default"):
+        handler = type("Engine", (FakeEngineHandler,), {"version": version, "calls": []})
+        server = http.server.ThreadingHTTPServer((LOOPBACK, 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return handler, f"{LOOPBACK}:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def publish(storage: RunStorage, version: int) -> None:
+    with atomic_directory(storage.weights(version)) as tmp:
+        (tmp / "model.safetensors").write_bytes(b"stand-in")
+
+
+def paths(handler) -> list[str]:
+    return [call[0] for call in handler.calls]
+
+
+def test_weight_loop_reconciles_every_engine(tmp_path, fake_engines):
+    from rlrun_operator.spec import apply_defaults
+    from rlrun_runtime.orchestrator import Orchestrator
+    from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
+
+    storage = RunStorage(tmp_path)
+    first, first_address = fake_engines()
+    metrics = OrchestratorMetrics(max_steps=5)
+    orchestrator = Orchestrator(apply_defaults(tiny_rlrun())["spec"], storage, None, None, [first_address], None,
+                                metrics)
+
+    async def sync():
+        await orchestrator.sync_weights_once()
+
+    # start: nothing published, the engine reports vLLM's "default": it is only named version 0
+    asyncio.run(sync())
+    assert paths(first) == ["/update_weight_version"] and first.version == "0"
+    assert orchestrator.loaded_version == 0
+
+    # the trainer publishes 1 and 2: the engine loads the newest, version 1 is deleted
+    publish(storage, 1)
+    publish(storage, 2)
+    first.calls.clear()
+    asyncio.run(sync())
+    assert paths(first) == ["/pause?mode=keep", "/collective_rpc", "/update_weight_version",
+                            "/reset_prefix_cache", "/resume"]
+    assert first.calls[1][1] == {"method": "rlrun_reload_weights",
+                                 "kwargs": {"weights_path": str(storage.weights(2))}}
+    assert first.version == "2" and orchestrator.loaded_version == 2
+    assert [p.name for p in storage.weights_dir.iterdir()] == ["step-000002"]
+    line = json.loads((storage.orchestrator_state.parent / "weight-updates.jsonl").read_text().splitlines()[-1])
+    assert line["version"] == 2 and list(line["latency_ms"]) == [f"http://{first_address}"]
+    assert metrics.registry.get_sample_value(constants.METRIC_POLICY_VERSION) == 2
+
+    # nothing new: no admin call at all
+    first.calls.clear()
+    asyncio.run(sync())
+    assert paths(first) == []
+
+    # a pod that joins late (vLLM "default") gets the current version; the up-to-date one is left alone
+    second, second_address = fake_engines()
+    orchestrator.endpoints = [first_address, second_address]
+    asyncio.run(sync())
+    assert paths(first) == [] and "/collective_rpc" in paths(second) and second.version == "2"
+
+    # the trainer re-publishes version 2 (resumed from an older checkpoint): both reload
+    second.calls.clear()
+    publish(storage, 2)
+    asyncio.run(sync())
+    assert "/collective_rpc" in paths(first) and "/collective_rpc" in paths(second)
