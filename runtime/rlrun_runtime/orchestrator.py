@@ -138,9 +138,12 @@ class Orchestrator:
 
     # --- start-up -----------------------------------------------------------------------------------
     async def wait_healthy(self) -> list[str]:
-        """Wait (logging every retry) until the router, if any, and at least one engine answer /health.
+        """Wait (logging every 10th retry) until the engines and the router, if any, answer /health.
 
-        Returns the engines' base URLs. Raises OrchestratorError after ``health_timeout_s``.
+        Every engine that ``RLRUN_INFERENCE_ENDPOINTS`` resolves to must be healthy. Returns their base URLs.
+
+        Raises:
+            OrchestratorError: still not healthy after ``health_timeout_s``.
         """
         deadline = time.monotonic() + self.health_timeout_s
         for attempt in itertools.count(1):
@@ -153,9 +156,10 @@ class Orchestrator:
             healthy = []
             for url in engines:
                 async with VLLMAdmin(url, timeout_s=5) as admin:
-                    (healthy if await admin.health() else problems).append(url)
-            if engines and not healthy:
-                problems.insert(0, "no engine healthy")
+                    if await admin.health():
+                        healthy.append(url)
+                    else:
+                        problems.append(f"engine {url} not healthy")
             if self.router_url and not problems:
                 try:
                     ok = (await self._http().get(f"{self.router_url}/health", timeout=5)).status_code == 200

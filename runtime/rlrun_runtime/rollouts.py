@@ -6,8 +6,11 @@ sampled token's logprob only) and are never re-tokenized from text. A choice who
 counted, never zeroed.
 
 Batch file format: docs/runtime-contract.md ("Batch file"), plus ``reward_mean`` (over every scored,
-non-stale rollout considered for the step, including zero-advantage groups), drop counters,
-``generation_seconds`` and ``prompt_cursor`` (the next task index; used to resume).
+non-stale rollout considered for the step, including zero-advantage groups; None when there was none), the
+drop counters (``dropped_zero_advantage_groups``, ``dropped_small_groups``, ``dropped_nonfinite_rewards``,
+``dropped_bad_logprob_samples``), ``generation_seconds``, ``gate_wait_seconds`` (time the batch waited for
+newer weights: inference idle) and ``prompt_cursor`` (the next task index; used to resume). A batch may hold
+fewer than ``batchSize`` samples, or none, when filtering kept removing groups (docs/orchestrator.md).
 """
 
 from __future__ import annotations
