@@ -66,13 +66,21 @@ async def publish_status(memo: kopf.Memo, namespace: str, name: str,
                        reason=change.new_phase, message=f"phase {change.old_phase or 'none'} -> {change.new_phase}")
 
 
-def get_registry(status_interval: float = constants.OPERATOR_STATUS_INTERVAL_S) -> kopf.OperatorRegistry:
+def get_registry(status_interval: float = constants.OPERATOR_STATUS_INTERVAL_S,
+                 login: bool = True) -> kopf.OperatorRegistry:
     """A kopf registry with every handler of the operator.
 
     Args:
         status_interval: seconds between status refreshes of each run (also the timer's initial delay).
+        login: log in like `kopf run` (kopf's own in-cluster service account, else KUBECONFIG login);
+            False leaves it to the embedder, who adds an ``@kopf.on.login`` handler to the registry.
     """
     registry = kopf.OperatorRegistry()
+
+    if login:
+        @kopf.on.login(registry=registry)
+        def log_in(**kwargs: Any) -> kopf.ConnectionInfo | None:
+            return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:

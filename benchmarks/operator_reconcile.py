@@ -1,0 +1,216 @@
+"""Benchmark: 100 RLRuns created at once against kmock; how fast and how frugally the operator converges.
+
+Setup: this process serves kmock's KubernetesEmulator with the fidelity layer of tests/kube.py on a loopback
+port and records, per run, when its POST returned and when the API server stored its last child. The real
+operator runs as a separate process (`rlrun-operator`, logged in through a KUBECONFIG that points at the
+emulator), as it would in a cluster. Printed figures:
+- seconds from a run's create to all of its children present: p50, p99, max;
+- write calls (POST/PATCH/PUT/DELETE) per run: on children, on the RLRun (kopf's finalizer and
+  annotations, our status), Events;
+- write calls during a no-op resync: (a) while the operator idles through several status intervals, (b)
+  across an operator restart (every run's resume handler reconciles it again).
+Not a timed test: run it by hand, `.venv/bin/python benchmarks/operator_reconcile.py [--runs 100]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import kmock
+import yaml
+from kmock._internal import enums
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from kube import FidelityEmulator  # noqa: E402  (tests/kube.py: the kmock fidelity layer)
+
+from rlrun_operator import constants  # noqa: E402
+from rlrun_operator.kubeapi import KubeApi, get_api_client  # noqa: E402
+
+CHILD_KINDS = {"ConfigMap", "PersistentVolumeClaim", "ServiceAccount", "Role", "RoleBinding", "Service",
+               "NetworkPolicy", "StatefulSet", "Deployment", "Job"}
+EXPECTED_CHILDREN = 14  # examples/rlrun-tiny.yaml (disaggregation off)
+
+
+class TimedEmulator(FidelityEmulator):
+    """Records when each run's children were stored (by their instance label)."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.child_times: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        response = await super()._handle(request)
+        if request.action == enums.action.CREATE and request.resource is not None \
+                and 200 <= response.status < 300 and self.kind_of(request.resource) in CHILD_KINDS:
+            meta = (request.data or {}).get("metadata", {})
+            run = (meta.get("labels") or {}).get(constants.LABEL_INSTANCE)
+            self.child_times[(meta.get("namespace") or request.namespace, run)].append(time.perf_counter())
+        return response
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_kubeconfig(server: str, path: Path) -> None:
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+        "clusters": [{"name": "kmock", "cluster": {"server": server}}],
+        "users": [{"name": "kmock", "user": {}}],
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
+    }))
+
+
+async def start_operator(kubeconfig: Path, interval: float, log: Any) -> tuple[subprocess.Popen, int]:
+    health = free_port()
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "rlrun-operator"), "--status-interval", str(interval),
+         "--metrics-port", "0", "--health-port", str(health), "--metrics-host", "127.0.0.1",
+         *(["-v"] if os.environ.get("RLRUN_BENCH_VERBOSE") else [])],
+        env=env, stdout=log, stderr=subprocess.STDOUT)
+    async with aiohttp.ClientSession() as session:
+        for _ in range(600):
+            try:
+                async with session.get(f"http://127.0.0.1:{health}/healthz") as resp:
+                    if resp.status == 200:
+                        return proc, health
+            except aiohttp.ClientError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError(f"rlrun-operator exited with {proc.returncode}")
+            await asyncio.sleep(0.1)
+    raise RuntimeError("rlrun-operator did not become live in 60 s")
+
+
+def stop_operator(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(round(q * (len(ordered) - 1)))))]
+
+
+def count_writes(emu: FidelityEmulator, start: int) -> collections.Counter:
+    counts: collections.Counter = collections.Counter()
+    for w in emu.writes[start:]:
+        group = "children" if w.kind in CHILD_KINDS else w.kind
+        counts[group] += 1
+    return counts
+
+
+async def wait_quiet(emu: FidelityEmulator, quiet_s: float, limit_s: float) -> None:
+    """Wait until no write happened for ``quiet_s`` seconds (at most ``limit_s``)."""
+    deadline = time.perf_counter() + limit_s
+    seen, since = len(emu.writes), time.perf_counter()
+    while time.perf_counter() < deadline:
+        await asyncio.sleep(0.2)
+        if len(emu.writes) != seen:
+            seen, since = len(emu.writes), time.perf_counter()
+        elif time.perf_counter() - since >= quiet_s:
+            return
+
+
+async def main(runs: int, interval: float) -> None:
+    template = yaml.safe_load((ROOT / "examples" / "rlrun-tiny.yaml").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        log = open(os.environ.get("RLRUN_BENCH_LOG", str(Path(tmp) / "operator.log")), "w")
+        async with TimedEmulator() as emu, kmock.Server(emu) as server:
+            url = str(server.url).rstrip("/")
+            kubeconfig = Path(tmp) / "kubeconfig"
+            write_kubeconfig(url, kubeconfig)
+            api = KubeApi(get_api_client(url))
+            proc, _ = await start_operator(kubeconfig, interval, log)
+            try:
+                created: dict[tuple[str, str], float] = {}
+
+                async def create(i: int) -> None:
+                    run = yaml.safe_load(yaml.safe_dump(template))
+                    run["metadata"] = {"name": f"run-{i:03d}", "namespace": f"ns-{i % 10}"}
+                    await api.create(run)
+                    created[(run["metadata"]["namespace"], run["metadata"]["name"])] = time.perf_counter()
+
+                start_writes = len(emu.writes)
+                cpu_server0, cpu_operator0 = time.process_time(), cpu_seconds(proc.pid)
+                t0 = time.perf_counter()
+                await asyncio.gather(*(create(i) for i in range(runs)))
+                t_created = time.perf_counter() - t0
+                while sum(len(v) >= EXPECTED_CHILDREN for v in emu.child_times.values()) < runs:
+                    if time.perf_counter() - t0 > 300:
+                        raise RuntimeError("children not all present after 300 s")
+                    await asyncio.sleep(0.05)
+                t_all = time.perf_counter() - t0
+                cpu_server = time.process_time() - cpu_server0
+                cpu_operator = cpu_seconds(proc.pid) - cpu_operator0
+                load = os.getloadavg()[0]
+                latencies = [max(emu.child_times[key]) - created[key] for key in created]
+                await wait_quiet(emu, quiet_s=interval * 2.5, limit_s=120)
+                converge = count_writes(emu, start_writes)
+
+                idle_start = len(emu.writes)
+                await asyncio.sleep(interval * 3)
+                idle = count_writes(emu, idle_start)
+
+                stop_operator(proc)
+                restart_start = len(emu.writes)
+                proc, _ = await start_operator(kubeconfig, interval, log)
+                await wait_quiet(emu, quiet_s=interval * 2.5, limit_s=120)
+                await asyncio.sleep(interval * 2)
+                restart = count_writes(emu, restart_start)
+            finally:
+                stop_operator(proc)
+                log.close()
+    duplicates = sum(len(v) - EXPECTED_CHILDREN for v in emu.child_times.values())
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+          f"{runs} RLRuns (examples/rlrun-tiny.yaml, {EXPECTED_CHILDREN} children each) in 10 namespaces; "
+          f"status interval {interval:g} s")
+    print(f"all {runs} POSTs answered in {t_created:.2f} s; all children of all runs present after {t_all:.2f} s")
+    print(f"CPU seconds until then: API server (kmock, this process) {cpu_server:.2f}, operator {cpu_operator:.2f}; "
+          f"1-min load average {load:.1f} on {os.cpu_count()} cores")
+    print(f"create -> all children present: p50 {statistics.median(latencies):.2f} s, "
+          f"p99 {percentile(latencies, 0.99):.2f} s, max {max(latencies):.2f} s")
+    print(f"write calls per run while converging: children {converge['children'] / runs:.2f}, "
+          f"RLRun {converge[constants.KIND] / runs:.2f} (incl. our POST 1), Events {converge['Event'] / runs:.2f}; "
+          f"duplicate child creates: {duplicates}")
+    print(f"write calls during an idle resync ({interval * 3:g} s = 3 status intervals): {sum(idle.values())} "
+          f"{dict(idle)}")
+    print(f"write calls across an operator restart (resume of {runs} runs): {sum(restart.values())} "
+          f"{dict(restart)}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=100)
+    parser.add_argument("--status-interval", type=float, default=constants.OPERATOR_STATUS_INTERVAL_S)
+    args = parser.parse_args()
+    asyncio.run(main(args.runs, args.status_interval))
