@@ -24,8 +24,9 @@ def test_parse_version(text, version):
 
 
 def test_resolve_engines_resolves_names_and_deduplicates():
-    assert resolve_engines("localhost:8000,127.0.0.1:8000, 127.0.0.1:8001") >= [
-        "http://127.0.0.1:8000", "http://127.0.0.1:8001"]
+    urls = resolve_engines("localhost:8000,127.0.0.1:8000, 127.0.0.1:8001")
+    assert {"http://127.0.0.1:8000", "http://127.0.0.1:8001"} <= set(urls)
+    assert len(urls) == len(set(urls)) and urls == sorted(urls)
     assert resolve_engines(["127.0.0.1:9", "127.0.0.1:9"]) == ["http://127.0.0.1:9"]
     assert resolve_engines("") == []
 
