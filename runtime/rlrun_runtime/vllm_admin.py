@@ -228,8 +228,10 @@ async def update_engines(engines: Sequence[str], version: int, weights_path: str
     failures = [r for r in results if isinstance(r, BaseException)]
     if failures:
         for failure in failures:
-            if not isinstance(failure, Exception):
+            if not isinstance(failure, Exception):  # cancellation, KeyboardInterrupt
                 raise failure
+        if len(failures) == 1:
+            raise failures[0]
         raise EngineError(", ".join(getattr(f, "engine", "?") for f in failures),
-                          "; ".join(str(f) for f in failures))
+                          f"{len(failures)} engines failed: " + "; ".join(str(f) for f in failures))
     return [r for r in results if isinstance(r, EngineUpdate)]
