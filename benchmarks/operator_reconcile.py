@@ -82,8 +82,11 @@ def write_kubeconfig(server: str, path: Path) -> None:
 async def start_operator(kubeconfig: Path, interval: float, log: Any) -> tuple[subprocess.Popen, int]:
     health = free_port()
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    profile = os.environ.get("RLRUN_BENCH_PROFILE")  # a path: run the operator under cProfile
+    command = [sys.executable, "-m", "cProfile", "-o", profile, "-m", "rlrun_operator.main"] if profile else \
+        [str(Path(sys.executable).parent / "rlrun-operator")]
     proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "rlrun-operator"), "--status-interval", str(interval),
+        [*command, "--status-interval", str(interval),
          "--metrics-port", "0", "--health-port", str(health), "--metrics-host", "127.0.0.1",
          *(["-v"] if os.environ.get("RLRUN_BENCH_VERBOSE") else [])],
         env=env, stdout=log, stderr=subprocess.STDOUT)

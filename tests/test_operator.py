@@ -359,3 +359,60 @@ def test_two_runs_in_two_namespaces_stay_isolated() -> None:
                 assert len(children(emu, "ns1", "same")) == 0
 
     asyncio.run(scenario())
+
+
+def test_rlrun_operator_process_logs_in_with_kubeconfig_and_serves_metrics_and_liveness(tmp_path: Path) -> None:
+    """The console script as a process: KUBECONFIG login, children created, /healthz and /metrics."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import aiohttp
+
+    def free_port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    async def scenario() -> None:
+        async with serve_kubernetes() as (emu, url):
+            kubeconfig = tmp_path / "kubeconfig"
+            kubeconfig.write_text(yaml.safe_dump({
+                "apiVersion": "v1", "kind": "Config", "current-context": "t",
+                "clusters": [{"name": "t", "cluster": {"server": url}}], "users": [{"name": "t", "user": {}}],
+                "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}]}))
+            metrics_port, health_port = free_port(), free_port()
+            proc = subprocess.Popen(
+                [str(Path(sys.executable).parent / "rlrun-operator"), "--all-namespaces", "--status-interval", "1",
+                 "--metrics-port", str(metrics_port), "--health-port", str(health_port),
+                 "--metrics-host", "127.0.0.1", "--log-level", "warning"],
+                env={**os.environ, "KUBECONFIG": str(kubeconfig)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            try:
+                api = KubeApi(get_api_client(url))
+                async with aiohttp.ClientSession() as http:
+                    async def get(port: int, path: str) -> tuple[int, str]:
+                        try:
+                            async with http.get(f"http://127.0.0.1:{port}{path}") as resp:
+                                return resp.status, await resp.text()
+                        except aiohttp.ClientError:
+                            return 0, ""
+
+                    for _ in range(300):
+                        if (await get(health_port, "/healthz"))[0] == 200:
+                            break
+                        assert proc.poll() is None, proc.stdout.read().decode()
+                        await asyncio.sleep(0.1)
+                    await api.create(make_run("proc", "ns1"))
+                    await wait_for(lambda: run_status(emu, "ns1", "proc").get("phase") == "Initializing")
+                    assert len(children(emu, "ns1", "proc")) == 14
+                    status, text = await get(metrics_port, "/metrics")
+                    assert status == 200
+                    assert 'rlrun_operator_reconciles_total{trigger="create"} 1.0' in text
+                    assert 'rlrun_operator_child_writes_total{action="create"} 14.0' in text
+                    assert 'rlrun_operator_runs{phase="Initializing"} 1.0' in text
+            finally:
+                proc.terminate()
+                proc.wait(timeout=20)
+
+    asyncio.run(scenario())

@@ -19,7 +19,6 @@ Rules (docs/operator.md explains them):
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -75,12 +74,15 @@ def get_spec_hash(manifest: dict[str, Any]) -> str:
     """Stable hash (16 hex chars of SHA-256 over canonical JSON) of everything we render for a child, minus
     the fields handled apart: a scaled Deployment's ``spec.replicas``, a Job's ``spec.suspend``, ``status``
     and the hash annotation itself."""
-    body = copy.deepcopy(manifest)
-    body.pop("status", None)
-    (body.get("metadata", {}).get("annotations") or {}).pop(constants.ANNOTATION_SPEC_HASH, None)
+    # Shallow copies of the few dicts we drop keys from; the rest is only read.
+    body = {k: v for k, v in manifest.items() if k != "status"}
+    meta = dict(body.get("metadata") or {})
+    if constants.ANNOTATION_SPEC_HASH in (meta.get("annotations") or {}):
+        meta["annotations"] = {k: v for k, v in meta["annotations"].items() if k != constants.ANNOTATION_SPEC_HASH}
+    body["metadata"] = meta
     volatile = _volatile_spec_key(manifest)
-    if volatile is not None:
-        body.get("spec", {}).pop(volatile, None)
+    if volatile is not None and isinstance(body.get("spec"), dict):
+        body["spec"] = {k: v for k, v in body["spec"].items() if k != volatile}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -88,14 +90,15 @@ def get_spec_hash(manifest: dict[str, Any]) -> str:
 def get_creatable(manifest: dict[str, Any], suspended: bool) -> dict[str, Any]:
     """The object to POST: the manifest with its spec-hash annotation; a scaled Deployment of a suspended
     run starts at 0 replicas and remembers its seed in ANNOTATION_REPLICAS_BEFORE_SUSPEND."""
-    body = copy.deepcopy(manifest)
-    annotations = body.setdefault("metadata", {}).setdefault("annotations", {})
+    body = dict(manifest)  # shallow: only metadata.annotations and spec.replicas are replaced below
+    meta = body["metadata"] = dict(manifest.get("metadata") or {})
+    annotations = meta["annotations"] = dict(meta.get("annotations") or {})
     annotations[constants.ANNOTATION_SPEC_HASH] = get_spec_hash(manifest)
     if suspended and is_scaled(manifest):
         seed = int(manifest.get("spec", {}).get("replicas", 1) or 0)
         if seed > 0:
             annotations[constants.ANNOTATION_REPLICAS_BEFORE_SUSPEND] = str(seed)
-        body["spec"]["replicas"] = 0
+        body["spec"] = {**manifest["spec"], "replicas": 0}
     return body
 
 

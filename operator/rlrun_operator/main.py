@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 import kopf
@@ -25,6 +26,8 @@ def get_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlrun-operator", description=__doc__.splitlines()[0])
     parser.add_argument("-n", "--namespace", action="append", default=[],
                         help="serve only this namespace (repeatable); default: every namespace")
+    parser.add_argument("-A", "--all-namespaces", action="store_true",
+                        help="serve every namespace (the default; cannot be combined with --namespace)")
     parser.add_argument("--status-interval", type=float, default=constants.OPERATOR_STATUS_INTERVAL_S,
                         help="seconds between status refreshes of each run (default %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=constants.OPERATOR_METRICS_PORT,
@@ -32,8 +35,19 @@ def get_parser() -> argparse.ArgumentParser:
     parser.add_argument("--health-port", type=int, default=constants.OPERATOR_HEALTH_PORT,
                         help="liveness endpoint port, 0 to disable (default %(default)s)")
     parser.add_argument("--metrics-host", default="0.0.0.0", help="listen address of metrics and liveness")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--log-level", default="info", type=str.lower,
+                        choices=["debug", "info", "warning", "error"], help="logging level (default info)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="same as --log-level=debug")
     return parser
+
+
+def has_credentials() -> bool:
+    """True inside a pod (KUBERNETES_SERVICE_HOST) or when a kubeconfig file exists (KUBECONFIG's first
+    path, else ~/.kube/config), the two places `kopf run` logs in from."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return True
+    first = (os.environ.get("KUBECONFIG") or "~/.kube/config").split(os.pathsep)[0]
+    return os.path.isfile(os.path.expanduser(first))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.status_interval <= 0:
         print("rlrun-operator: --status-interval must be a positive number of seconds", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+    if args.all_namespaces and args.namespace:
+        print("rlrun-operator: use either --namespace or --all-namespaces, not both", file=sys.stderr)
+        return 2
+    if not has_credentials():
+        print("rlrun-operator: no Kubernetes credentials: run it in a pod with a service account, or set "
+              "KUBECONFIG (or create ~/.kube/config)", file=sys.stderr)
+        return 2
+    level = logging.DEBUG if args.verbose else getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.REGISTRY)
