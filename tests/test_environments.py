@@ -165,6 +165,61 @@ def test_verifiers_missing_package_names_the_install():
     assert "spec.environment.type" in str(info.value) and "pip install verifiers" in str(info.value)
 
 
+FAKE_VERIFIERS = textwrap.dedent('''
+    """A stand-in for the verifiers package with its documented shapes (not installed here)."""
+    import types
+    import zlib
+
+    class Rows(list):
+        def shuffle(self, seed):
+            return Rows(sorted(self, key=lambda row: zlib.crc32(f"{seed}:{row['question']}".encode())))
+
+    class KeywordRubric:  # older releases: keyword arguments, returns an object with .reward
+        async def score_rollout(self, prompt, completion, answer, state, task="default", info=None, **kwargs):
+            text = completion[-1]["content"].strip()
+            return types.SimpleNamespace(reward=1.0 if text == answer else 0.25 if answer in text else 0.0)
+
+    class StateRubric:  # newer releases: one state dict, the rubric writes state["reward"]
+        async def score_rollout(self, state):
+            state["reward"] = 1.0 if state["completion"][-1]["content"].strip() == state["answer"] else 0.0
+
+    def load_environment(env_id, **kwargs):
+        if env_id not in ("kw", "state"):
+            raise ValueError(f"no environment {env_id}")
+        rows = Rows({"question": f"{i}+{kwargs.get('plus', 1)}=?", "answer": str(i + kwargs.get("plus", 1)),
+                     "task": "add", "info": {}} for i in range(10))
+        return types.SimpleNamespace(dataset=rows, rubric=KeywordRubric() if env_id == "kw" else StateRubric())
+''')
+
+
+@pytest.fixture
+def fake_verifiers(tmp_path, monkeypatch):
+    (tmp_path / "verifiers.py").write_text(FAKE_VERIFIERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("verifiers", None)
+    yield
+    sys.modules.pop("verifiers", None)
+
+
+@pytest.mark.parametrize("env_id", ["kw", "state"])
+def test_verifiers_adapter_against_the_documented_api(fake_verifiers, env_id):
+    env = load_environment({"type": "verifiers", "name": env_id, "seed": 3, "args": {"plus": 2}})
+    task = env.task(4)
+    assert env.name == env_id and task.prompt[0]["role"] == "user"
+    question = task.prompt[0]["content"]
+    answer = str(int(question.split("+")[0]) + 2)
+    assert env.score(task, f" {answer} ") == 1.0
+    assert env.score(task, "no idea") == 0.0
+    assert env.task(14).prompt == task.prompt  # wraps around the 10 rows
+    other_seed = load_environment({"type": "verifiers", "name": env_id, "seed": 4, "args": {"plus": 2}})
+    assert [env.task(i).prompt for i in range(10)] != [other_seed.task(i).prompt for i in range(10)]
+
+
+def test_verifiers_unknown_id_names_the_field(fake_verifiers):
+    with pytest.raises(EnvironmentSpecError, match="spec.environment.name.*'nope'"):
+        load_environment({"type": "verifiers", "name": "nope", "seed": 0})
+
+
 # --- python import path ------------------------------------------------------------------------------
 
 USER_MODULE = textwrap.dedent('''
