@@ -83,8 +83,9 @@ async def start_operator(kubeconfig: Path, interval: float, log: Any) -> tuple[s
     health = free_port()
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     profile = os.environ.get("RLRUN_BENCH_PROFILE")  # a path: run the operator under cProfile
+    script = Path(sys.executable).parent / "rlrun-operator"
     command = [sys.executable, "-m", "cProfile", "-o", profile, "-m", "rlrun_operator.main"] if profile else \
-        [str(Path(sys.executable).parent / "rlrun-operator")]
+        [str(script)] if script.exists() else [sys.executable, "-m", "rlrun_operator.main"]
     proc = subprocess.Popen(
         [*command, "--status-interval", str(interval),
          "--metrics-port", "0", "--health-port", str(health), "--metrics-host", "127.0.0.1",
@@ -165,6 +166,7 @@ async def main(runs: int, interval: float) -> None:
 
                 start_writes = len(emu.writes)
                 cpu_server0, cpu_operator0 = time.process_time(), cpu_seconds(proc.pid)
+                requests0 = len(emu._requests)  # every request kmock parsed (kmock keeps them all)
                 t0 = time.perf_counter()
                 await asyncio.gather(*(create(i) for i in range(runs)))
                 t_created = time.perf_counter() - t0
@@ -176,6 +178,7 @@ async def main(runs: int, interval: float) -> None:
                 cpu_server = time.process_time() - cpu_server0
                 cpu_operator = cpu_seconds(proc.pid) - cpu_operator0
                 load = os.getloadavg()[0]
+                served = len(emu._requests) - requests0
                 latencies = [max(emu.child_times[key]) - created[key] for key in created]
                 await wait_quiet(emu, quiet_s=interval * 2.5, limit_s=120)
                 converge = count_writes(emu, start_writes)
@@ -198,8 +201,10 @@ async def main(runs: int, interval: float) -> None:
           f"{runs} RLRuns (examples/rlrun-tiny.yaml, {EXPECTED_CHILDREN} children each) in 10 namespaces; "
           f"status interval {interval:g} s")
     print(f"all {runs} POSTs answered in {t_created:.2f} s; all children of all runs present after {t_all:.2f} s")
-    print(f"CPU seconds until then: API server (kmock, this process) {cpu_server:.2f}, operator {cpu_operator:.2f}; "
-          f"1-min load average {load:.1f} on {os.cpu_count()} cores")
+    print(f"CPU seconds until then: API server (kmock, this process) {cpu_server:.2f} for {served} requests "
+          f"({1000 * cpu_server / max(served, 1):.1f} ms each), operator {cpu_operator:.2f} "
+          f"({1000 * cpu_operator / runs:.0f} ms per run); 1-min load average {load:.1f} on {os.cpu_count()} cores "
+          f"(affinity: {len(os.sched_getaffinity(0))} cores)")
     print(f"create -> all children present: p50 {statistics.median(latencies):.2f} s, "
           f"p99 {percentile(latencies, 0.99):.2f} s, max {max(latencies):.2f} s")
     print(f"write calls per run while converging: children {converge['children'] / runs:.2f}, "

@@ -271,6 +271,28 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         result["metadata"]["resourceVersion"] = str(self.revision)
         return result
 
+    # kmock finds the object of a fetch/create/patch/delete by scanning every stored object (O(objects) per
+    # request); these look it up by key, as an API server's storage does.
+    def _stored(self, request: kmock.Request, namespace: str | None = None, name: str | None = None) -> Any:
+        key = (request.resource, namespace or request.namespace, name or request.name)
+        return self.objects[key] if key in self.objects else None
+
+    async def _serve_fetch(self, request: kmock.Request) -> Any:
+        obj = self._stored(request)
+        if obj is None or obj.deleted:
+            raise kmock.KubernetesObjectNotFoundError()
+        return obj.raw
+
+    async def _serve_create(self, request: kmock.Request) -> Any:
+        meta = (request.data or {}).get("metadata", {}) if isinstance(request.data, dict) else {}
+        return self._stored(request, meta.get("namespace"), meta.get("name")).last.raw
+
+    async def _serve_update(self, request: kmock.Request) -> Any:
+        return self._stored(request).last.raw
+
+    async def _serve_delete(self, request: kmock.Request) -> Any:
+        return self._stored(request).last.raw
+
     async def _serve_watch(self, request: kmock.Request) -> Any:
         # kmock replays every existing object as ADDED; a watch from resourceVersion N (what a client
         # passes after a list) must not see objects again that it already listed.
