@@ -45,10 +45,26 @@ def test_validate_examples_ok() -> None:
     assert result.stdout.splitlines() == [f"{p}: OK" for p in EXAMPLES]
 
 
+def tiny_with(**changes: object) -> str:
+    """The tiny example as YAML text with dotted spec paths set (None deletes the key)."""
+    rlrun = yaml.safe_load(TINY.read_text())
+    for dotted, value in changes.items():
+        node = rlrun["spec"]
+        *parents, last = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    return yaml.safe_dump(rlrun, sort_keys=False)
+
+
 def test_validate_invalid_file_prints_one_line_per_error(tmp_path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text(TINY.read_text().replace("batchSize: 64", "batchSize: 68").replace(
-        "name: reverse-words", "name: reverse-word").replace("temperature: 1.0", "temprature: 1.0"))
+    bad.write_text(tiny_with(**{"algorithm.batchSize": 68, "algorithm.microBatchSize": 4,
+                                "environment.name": "reverse-word", "algorithm.sampling.temperature": None,
+                                "algorithm.sampling.temprature": 1.0}))
     result = rlrun("validate", bad, TINY)
     assert result.returncode == 2
     lines = result.stdout.splitlines()
@@ -56,8 +72,8 @@ def test_validate_invalid_file_prints_one_line_per_error(tmp_path) -> None:
         f"{bad}: spec.algorithm.sampling.temprature: unknown field; did you mean 'temperature'?",
         f"{TINY}: OK",
     ]
-    bad.write_text(TINY.read_text().replace("batchSize: 64", "batchSize: 68").replace(
-        "name: reverse-words", "name: reverse-word"))
+    bad.write_text(tiny_with(**{"algorithm.batchSize": 68, "algorithm.microBatchSize": 4,
+                                "environment.name": "reverse-word"}))
     lines = rlrun("validate", bad).stdout.splitlines()
     assert [line.split(": ")[1] for line in lines] == ["spec.algorithm.batchSize", "spec.environment.name"]
     assert "did you mean 'reverse-words'?" in lines[1]
@@ -111,7 +127,7 @@ def test_render_namespace_flag_and_conflict(tmp_path) -> None:
 
 def test_render_refuses_an_invalid_run(tmp_path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text(TINY.read_text().replace("maxTokens: 16", "maxTokens: 128"))
+    bad.write_text(tiny_with(**{"algorithm.sampling.maxTokens": 128}))
     result = rlrun("render", bad)
     assert (result.returncode, result.stdout) == (2, "")
     assert f"{bad}: spec.algorithm.sampling.maxTokens: " in result.stderr

@@ -574,11 +574,13 @@ def test_config_hash_follows_exactly_the_fields_each_role_reads():
 def test_spec_pod_env_may_not_replace_the_contract_but_may_tune_the_cpu_kv_cache():
     rlrun = variant("tiny", pod={"env": [{"name": "WANDB_MODE", "value": "offline"},
                                          {"name": "RLRUN_ROUTER_URL", "value": "http://elsewhere"}]})
+    # validate() refuses it first (what the CLI and the operator run); render() refuses it on its own too.
+    assert [e.path for e in validate(rlrun)] == ["spec.pod.env[1].name"]
     with pytest.raises(RenderError, match=r"spec\.pod\.env\[1\]\.name: RLRUN_ROUTER_URL .*remove it"):
-        render(defaulted(rlrun))
+        render(apply_defaults(rlrun))
     # NNODES is only the trainer's, but spec.pod.env reaches every container: refused as well.
     with pytest.raises(RenderError, match=r"spec\.pod\.env\[0\]\.name: NNODES "):
-        render(defaulted(variant("tiny", pod={"env": [{"name": "NNODES", "value": "3"}]})))
+        render(apply_defaults(variant("tiny", pod={"env": [{"name": "NNODES", "value": "3"}]})))
     rlrun = variant("tiny", pod={"env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "4"}]})
     deployment = one(render(defaulted(rlrun)), "Deployment", "tiny-reverse-inference")
     assert env_of(deployment["spec"]["template"]["spec"]["containers"][0])["VLLM_CPU_KVCACHE_SPACE"] == "4"

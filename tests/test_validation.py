@@ -62,8 +62,8 @@ SCHEMA_CASES = [
 ]
 
 CEL_CASES = [
-    ("batch-multiple", {"spec.algorithm.batchSize": 68}, "spec.algorithm.batchSize", "multiple of"),
-    ("micro-batch", {"spec.algorithm.microBatchSize": 128}, "spec.algorithm.microBatchSize",
+    ("batch-multiple", {"spec.algorithm.batchSize": 68, "spec.algorithm.microBatchSize": 4}, "spec.algorithm.batchSize", "multiple of"),
+    ("micro-batch", {"spec.algorithm.batchSize": 64, "spec.algorithm.microBatchSize": 128}, "spec.algorithm.microBatchSize",
      "lower microBatchSize"),
     ("max-tokens", {"spec.algorithm.sampling.maxTokens": 128}, "spec.algorithm.sampling.maxTokens",
      "lower maxTokens or raise model.maxModelLen"),
@@ -171,7 +171,8 @@ def test_rules_elsewhere_still_run_next_to_a_schema_error(tiny_rlrun) -> None:
 
 
 def test_several_errors_are_all_reported(tiny_rlrun) -> None:
-    errors = validate(mutate(tiny_rlrun, {"spec.algorithm.batchSize": 68, "spec.trainer.quantization": "fp8",
+    errors = validate(mutate(tiny_rlrun, {"spec.algorithm.batchSize": 68, "spec.algorithm.microBatchSize": 4,
+                                          "spec.trainer.quantization": "fp8",
                                           "spec.algorithm.sampling.maxTokens": 500}))
     assert {e.path for e in errors} == {"spec.algorithm.batchSize", "spec.trainer.quantization",
                                         "spec.algorithm.sampling.maxTokens"}
