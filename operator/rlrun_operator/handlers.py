@@ -55,13 +55,15 @@ def _invalid_already_reported(rlrun: dict[str, Any], invalid: list[str]) -> bool
 
 
 async def publish_status(memo: kopf.Memo, namespace: str, name: str,
-                         compute: Callable[[dict[str, Any]], Awaitable[StatusChange]]) -> None:
-    """Under the run's lock: GET the RLRun, ``compute`` the change against it, write it to the status
-    subresource when not empty, count the phase, post an Event on a phase transition."""
+                         compute: Callable[[dict[str, Any]], Awaitable[StatusChange]],
+                         current: dict[str, Any] | None = None) -> None:
+    """Under the run's lock: GET the RLRun (unless ``current`` is known to be the latest, as in the create
+    handler, before anything else wrote a status), ``compute`` the change against it, write it to the
+    status subresource when not empty, count the phase, post an Event on a phase transition."""
     if getattr(memo, "status_lock", None) is None:
         memo.status_lock = asyncio.Lock()
     async with memo.status_lock:
-        fresh = await memo.api.get(constants.KIND, namespace, name)
+        fresh = current if current is not None else await memo.api.get(constants.KIND, namespace, name)
         if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
             return
         change = await compute(fresh)
@@ -132,7 +134,9 @@ def get_registry(status_interval: float = constants.OPERATOR_STATUS_INTERVAL_S,
                     (fresh.get("status") or {}).get("observedGeneration")
                 return plan_status(fresh, workloads, None, reconciled, result.invalid)
 
-            await publish_status(memo, meta["namespace"], meta["name"], compute)
+            # A new run: nobody has written its status yet (the timer waits for memo.reconciled).
+            first = rlrun if trigger == "create" and not (rlrun.get("status") or {}) else None
+            await publish_status(memo, meta["namespace"], meta["name"], compute, current=first)
         except (ApiError, ApplyConflict) as exc:
             raise kopf.TemporaryError(f"reconcile failed: {exc}", delay=RETRY_DELAY_S) from exc
         memo.reconciled = True

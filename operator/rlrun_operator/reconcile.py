@@ -4,6 +4,7 @@ children and metrics -> status). Called by the kopf handlers in handlers.py; no 
 
 from __future__ import annotations
 
+import copy
 import datetime
 import time
 from dataclasses import dataclass, field
@@ -55,6 +56,26 @@ def get_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+_DEFAULTED_SPECS: dict[tuple[str, int], dict[str, Any]] = {}
+_DEFAULTED_SPECS_MAX = 4096
+
+
+def get_defaulted(rlrun: dict[str, Any]) -> dict[str, Any]:
+    """``spec.apply_defaults(rlrun)``, with the defaulted spec memoised per (metadata.uid,
+    metadata.generation) — the API server bumps the generation on every spec change — so status refreshes
+    do not default the same spec again. Objects without uid or generation are defaulted every time."""
+    meta = rlrun.get("metadata") or {}
+    key = (meta.get("uid"), meta.get("generation"))
+    if key[0] is None or key[1] is None:
+        return apply_defaults(rlrun)
+    spec = _DEFAULTED_SPECS.get(key)
+    if spec is None:
+        if len(_DEFAULTED_SPECS) >= _DEFAULTED_SPECS_MAX:
+            _DEFAULTED_SPECS.clear()
+        spec = _DEFAULTED_SPECS[key] = apply_defaults({"spec": rlrun.get("spec") or {}})["spec"]
+    return {**rlrun, "spec": copy.deepcopy(spec)}
+
+
 def get_invalid(rlrun: dict[str, Any]) -> list[str]:
     """Validation errors of an RLRun as "path: message" lines (empty when valid); never raises."""
     subject = {k: v for k, v in rlrun.items() if k != "status"}
@@ -82,7 +103,7 @@ async def reconcile_run(api: KubeApi, rlrun: dict[str, Any], trigger: str, prune
         invalid = get_invalid(rlrun)
         if invalid:
             return ReconcileResult(invalid=invalid)
-        defaulted = apply_defaults(rlrun)
+        defaulted = get_defaulted(rlrun)
         try:
             manifests = render(defaulted)
         except (RenderError, SizingError) as exc:
@@ -124,7 +145,7 @@ def plan_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress
                 ) -> StatusChange:
     """Wanted status vs the current one (pure apart from the clock, which only matters when something
     changed)."""
-    defaulted = apply_defaults(rlrun)
+    defaulted = get_defaulted(rlrun)
     wanted = status.get_status(defaulted, workloads, progress, now(), reconciled_generation, invalid)
     old = rlrun.get("status") or {}
     return StatusChange(status.get_status_patch(old, wanted), old.get("phase"), wanted["phase"])
