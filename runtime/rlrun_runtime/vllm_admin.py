@@ -134,12 +134,17 @@ class VLLMAdmin:
 
 @dataclasses.dataclass(frozen=True)
 class EngineUpdate:
-    """Result of one engine's weight update: ``latency_ms`` from pause sent to resume answered."""
+    """Result of one engine's weight update: ``latency_ms`` from pause sent to resume answered.
+
+    ``reported_version`` is what the engine's own ``GET /weight_info`` says after the resume (None when it
+    names no integer version): the proof that the engine serves ``version``.
+    """
 
     engine: str
     version: int
     latency_ms: float
     prefix_cache_reset: bool
+    reported_version: int | None = None
 
 
 def parse_version(weight_version: str) -> int | None:
@@ -172,9 +177,11 @@ def resolve_engines(endpoints: str | Iterable[str]) -> list[str]:
 
 
 async def update_engine(admin: VLLMAdmin, version: int, weights_path: str) -> EngineUpdate:
-    """pause(keep) -> reload -> set version -> reset prefix cache -> resume on one engine.
+    """pause(keep) -> reload -> set version -> reset prefix cache -> resume on one engine, then check it.
 
     Resume runs in a ``finally``; an error in any step is raised (as :class:`EngineError`) after it.
+    Afterwards ``GET /weight_info`` must report ``version`` (EngineError otherwise); its answer is
+    returned as ``reported_version``. The latency covers pause to resume only.
     """
     start = time.perf_counter()
     await admin.pause("keep")
@@ -185,10 +192,13 @@ async def update_engine(admin: VLLMAdmin, version: int, weights_path: str) -> En
     finally:
         await admin.resume()
     latency_ms = (time.perf_counter() - start) * 1000.0
+    reported = parse_version(await admin.weight_info())
+    if reported != version:
+        raise EngineError(admin.base_url, f"reports weight version {reported} after loading version {version}")
     if not reset:
         log.info("engine %s: prefix-cache reset refused while requests hold blocks; cache_salt isolates old KV",
                  admin.base_url)
-    return EngineUpdate(admin.base_url, version, latency_ms, reset)
+    return EngineUpdate(admin.base_url, version, latency_ms, reset, reported)
 
 
 async def update_weights_everywhere(endpoints: str | Sequence[str], version: int, weights_path: str, *,

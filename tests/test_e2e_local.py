@@ -1,0 +1,162 @@
+"""The embedded default, end to end: `rlrun local examples/rlrun-tiny.yaml` with real vLLM on CPU.
+
+Every test here runs the real console script as a user would: vLLM (CPU) behind vllm-router, the
+orchestrator and a torchrun trainer, all started from the rendered pod commands. They are the slowest
+tests of the suite (a few minutes each) and carry the `vllm` and `e2e` marks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+import pytest
+import yaml
+
+from rlrun_operator import constants as c
+from rlrun_runtime.local_processes import read_process_table
+from rlrun_runtime.storage import RunStorage, list_steps
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "rlrun-tiny.yaml"
+RLRUN = [str(Path(sys.executable).parent / "rlrun")]
+
+# Bounds asserted on every run of the embedded default (docs/local.md explains them):
+REWARD_MARGIN = 0.1            # issue: last fifth of steps beats the first fifth by at least this much
+FIRST_STEP_MISMATCH_KL = 1e-3  # step 1 trains on rollouts of policy 0 with policy 0: numerics only
+MEAN_MISMATCH_KL = 0.05        # whole run; includes the drift of maxAsyncLevel 1 (rollouts one step old)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+
+
+def write_run(tmp_path: Path, **changes: Any) -> Path:
+    """The tiny example with dotted spec paths changed, written under tmp_path."""
+    rlrun = yaml.safe_load(TINY.read_text())
+    for dotted, value in changes.items():
+        node = rlrun["spec"]
+        *parents, last = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    path = tmp_path / "rlrun.yaml"
+    path.write_text(yaml.safe_dump(rlrun, sort_keys=False))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def processes_of_run(storage_dir: Path) -> dict[int, str]:
+    """Live processes whose environment names this run's storage dir: pid -> command line."""
+    needle = f"{c.ENV_STORAGE_DIR}={storage_dir}".encode() + b"\0"
+    found = {}
+    for pid, info in read_process_table().items():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes() + b"\0"
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if needle in environ and info.state != "Z":
+            found[pid] = cmdline
+    return found
+
+
+def run_local(path: Path, out_dir: Path, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(RLRUN + ["local", str(path), "--output-dir", str(out_dir), *extra],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_embedded_default_learns(seed: int, tmp_path: Path) -> None:
+    """Reward rises by >= 0.1 (last fifth vs first fifth), vLLM serves every trainer step's weights."""
+    path = write_run(tmp_path, **{"environment.seed": seed})
+    max_steps = yaml.safe_load(path.read_text())["spec"]["algorithm"]["maxSteps"]
+    out_dir = tmp_path / "out"
+    started = time.monotonic()
+    proc = run_local(path, out_dir)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    rows = read_jsonl(out_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, max_steps + 1))
+    assert [r["policy_version"] for r in rows] == list(range(1, max_steps + 1))
+    rewards = [r["reward_mean"] for r in rows]
+    fifth = max_steps // 5
+    first, last = mean(rewards[:fifth]), mean(rewards[-fifth:])
+    print(f"seed {seed}: reward first fifth {first:.3f}, last fifth {last:.3f}, {elapsed:.0f} s wall")
+    assert last - first >= REWARD_MARGIN, rewards
+
+    kls = [r["mismatch_kl"] for r in rows]
+    assert kls[0] <= FIRST_STEP_MISMATCH_KL, kls[:3]
+    assert mean(kls) <= MEAN_MISMATCH_KL, kls
+
+    # vLLM's own GET /weight_info after each update reports the version of the weights it just loaded, and
+    # the last one is the last trainer step.
+    updates = read_jsonl(out_dir / "orchestrator" / "weight-updates.jsonl")
+    assert updates, "no weight update recorded"
+    versions = [u["version"] for u in updates]
+    assert versions == sorted(set(versions)) and versions[-1] == max_steps
+    for update in updates:
+        assert set(update["reported_version"].values()) == {update["version"]}, update
+    assert all(max(u["latency_ms"].values()) < 1000 for u in updates)
+
+    assert (out_dir / "final" / "model.safetensors").is_file()
+    assert (out_dir / "plot.png").read_bytes()[:4] == b"\x89PNG"
+    assert read_jsonl(out_dir / "rollout-samples.jsonl"), "no rollout sample written"
+    assert processes_of_run(out_dir) == {}
+
+
+@pytest.mark.timeout(900)
+def test_trainer_killed_mid_run_resumes_from_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL the trainer after a checkpoint: the run fails naming it; --resume finishes every step once."""
+    max_steps, interval = 12, 4
+    path = write_run(tmp_path, **{"algorithm.maxSteps": max_steps, "trainer.checkpoint.intervalSteps": interval})
+    out_dir = tmp_path / "out"
+    storage = RunStorage(out_dir)
+    proc = subprocess.Popen(RLRUN + ["local", str(path), "--output-dir", str(out_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 480
+        while time.monotonic() < deadline and proc.poll() is None:
+            done = [r["step"] for r in read_jsonl(storage.metrics_file)]
+            if done and done[-1] >= interval + 2 and interval in list_steps(storage.checkpoints_dir):
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, "the run ended before the trainer could be killed"
+        workers = [pid for pid, cmd in processes_of_run(out_dir).items()
+                   if "rlrun_runtime" in cmd and " trainer " in cmd and "torchrun" not in cmd]
+        assert workers, processes_of_run(out_dir)
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=60)
+    assert proc.returncode == 1, stdout[-2000:] + stderr[-2000:]
+    assert "trainer" in (stdout + stderr).split("exited", 1)[0][-300:] or "trainer" in stderr
+    assert processes_of_run(out_dir) == {}
+
+    checkpoint = list_steps(storage.checkpoints_dir)[-1]
+    trained_before = [r["step"] for r in read_jsonl(storage.metrics_file)]
+    assert trained_before[-1] > checkpoint  # there is work after the checkpoint that must be redone once
+
+    resumed = run_local(path, out_dir, "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    steps = [r["step"] for r in read_jsonl(storage.metrics_file)]
+    assert steps == list(range(1, max_steps + 1))  # nothing lost, nothing repeated
+    trainer_log = (out_dir / "logs" / "tiny-reverse-trainer-0.log").read_text()
+    assert f"steps {checkpoint + 1}..{max_steps}" in trainer_log
+    assert read_jsonl(out_dir / "orchestrator" / "weight-updates.jsonl")[-1]["version"] == max_steps
+    assert processes_of_run(out_dir) == {}
