@@ -74,6 +74,13 @@ def test_completion_request_carries_ids_salt_and_sampling():
     assert (body["temperature"], body["top_p"], body["max_tokens"], body["seed"]) == (0.7, 1.0, 12, 9)
 
 
+
+def test_one_request_per_group_asks_for_n_choices():
+    body = get_completion_request([1, 2], {"temperature": 1.0, "topP": 0.9}, 8, 3, seed=5, n=8)
+    assert (body["n"], body["seed"], body["cache_salt"], body["top_p"]) == (8, 5, "policy-3", 0.9)
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        get_completion_request([1, 2], {"temperature": 1.0, "topP": 1.0}, 8, 3, n=0)
+
 def test_parse_completion_choice_keeps_server_ids():
     assert parse_completion_choice(choice([5, 0], [-0.5, -1.0], " a")) == Completion([5, 0], [-0.5, -1.0], " a")
 

@@ -224,7 +224,8 @@ class Orchestrator:
                 append_jsonl(self.weight_updates_file, {
                     "version": target, "time": time.time(),
                     "latency_ms": {u.engine: round(u.latency_ms, 3) for u in updates},
-                    "prefix_cache_reset": {u.engine: u.prefix_cache_reset for u in updates}})
+                    "prefix_cache_reset": {u.engine: u.prefix_cache_reset for u in updates},
+                    "reported_version": {u.engine: u.reported_version for u in updates}})
         self._loaded_identity = identity
         if target != self.loaded_version:
             self.loaded_version = target
@@ -280,14 +281,24 @@ class Orchestrator:
             return f"{self.router_url}/v1/completions"
         return f"{engines[next(self._round_robin) % len(engines)]}/v1/completions"
 
-    async def _complete(self, body: dict[str, Any], engines: Sequence[str]) -> Completion | None:
+    async def _complete(self, body: dict[str, Any], engines: Sequence[str]) -> list[Completion | None]:
+        """POST one completions request (retried on transport errors and 5xx); its choices in index order.
+
+        Each item is a :class:`Completion`, or None for a broken choice (see :func:`parse_completion_choice`).
+
+        Raises:
+            OrchestratorError: still failing after ``REQUEST_RETRIES`` retries, or fewer choices than ``n``.
+        """
         last: Exception | None = None
         for attempt in range(REQUEST_RETRIES + 1):
             try:
                 response = await self._http().post(self._completion_url(engines), json=body)
                 if response.status_code < 500:
                     response.raise_for_status()
-                    return parse_completion_choice(response.json()["choices"][0])
+                    choices = sorted(response.json()["choices"], key=lambda c: int(c.get("index", 0)))
+                    if len(choices) != int(body["n"]):
+                        raise OrchestratorError(f"asked for n={body['n']} completions, got {len(choices)}")
+                    return [parse_completion_choice(choice) for choice in choices]
                 last = httpx.HTTPStatusError(f"HTTP {response.status_code}: {response.text[:200]}",
                                              request=response.request, response=response)
             except httpx.TransportError as err:
@@ -324,9 +335,11 @@ class Orchestrator:
                         task_index, len(prompt_ids), self.max_model_len)
             return None
         version = self.loaded_version
-        bodies = [get_completion_request(prompt_ids, self.sampling, max_tokens, version,
-                                         seed=self.seed_rng.randrange(2**31)) for _ in range(self.group_size)]
-        results = await asyncio.gather(*(self._complete(body, engines) for body in bodies))
+        # One request with n = rolloutsPerPrompt: the engine samples the group as n sequences of one
+        # prompt (child seeds seed + i, vLLM's parallel sampling) instead of n separate HTTP requests.
+        body = get_completion_request(prompt_ids, self.sampling, max_tokens, version,
+                                      seed=self.seed_rng.randrange(2**31), n=self.group_size)
+        results = await self._complete(body, engines)
         completions = [c for c in results if c is not None]
         dropped = len(results) - len(completions)
         rewards = []

@@ -75,8 +75,8 @@ class AssembledBatch:
 
 
 def get_completion_request(prompt_ids: Sequence[int], sampling: Mapping[str, Any], max_tokens: int,
-                           policy_version: int, seed: int | None = None) -> dict[str, Any]:
-    """JSON body of one ``POST /v1/completions`` for one rollout (pure).
+                           policy_version: int, seed: int | None = None, n: int = 1) -> dict[str, Any]:
+    """JSON body of one ``POST /v1/completions`` for ``n`` rollouts of one prompt (pure).
 
     Args:
         prompt_ids: prompt token ids (vLLM accepts a list of ints as ``prompt``).
@@ -84,12 +84,23 @@ def get_completion_request(prompt_ids: Sequence[int], sampling: Mapping[str, Any
         max_tokens: completion length cap in tokens.
         policy_version: salts the prefix cache (``cache_salt = "policy-<version>"``) so that KV computed
             with other weights is never reused.
-        seed: per-request sampling seed, or None.
+        seed: per-request sampling seed, or None. With ``n > 1`` vLLM gives choice ``i`` the seed
+            ``seed + i`` (``vllm/v1/engine/parallel_sampling.py``), so the choices differ.
+        n: completions to sample (``rolloutsPerPrompt`` for a group). vLLM 0.32 fans them out into n
+            engine requests; each choice carries its own ``token_ids`` and ``logprobs``, and choice ``i``
+            equals an ``n: 1`` request with seed ``seed + i`` (measured, tests/test_orchestrator.py).
+            The prompt's full KV blocks are shared through the prefix cache; a prompt shorter than one
+            block (the tiny example's) is prefilled per choice.
+
+    Raises:
+        ValueError: ``n < 1``.
     """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
     body: dict[str, Any] = {
         "model": constants.SERVED_MODEL_NAME,
         "prompt": list(prompt_ids),
-        "n": 1,
+        "n": int(n),
         "max_tokens": int(max_tokens),
         "temperature": float(sampling["temperature"]),
         "top_p": float(sampling["topP"]),
