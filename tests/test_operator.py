@@ -416,3 +416,22 @@ def test_rlrun_operator_process_logs_in_with_kubeconfig_and_serves_metrics_and_l
                 proc.wait(timeout=20)
 
     asyncio.run(scenario())
+
+
+def test_deleted_workload_is_recreated_by_the_status_timer() -> None:
+    async def scenario() -> None:
+        async with serve_kubernetes() as (emu, url):
+            api = KubeApi(get_api_client(url))
+            async with run_operator(url, status_interval=INTERVAL):
+                await api.create(make_run("theta", "ns1"))
+                await wait_for(lambda: run_status(emu, "ns1", "theta").get("phase") == "Initializing")
+                old_uid = one(emu, "Deployment", "ns1", "theta-router")["metadata"]["uid"]
+                await api.delete("Deployment", "ns1", "theta-router")
+                await wait_for(lambda: [o for o in emu.find("Deployment", "ns1")
+                                        if o["metadata"]["name"] == "theta-router"])
+                new = one(emu, "Deployment", "ns1", "theta-router")
+                assert new["metadata"]["uid"] != old_uid
+                assert new["metadata"]["ownerReferences"][0]["name"] == "theta"
+                assert len(children(emu, "ns1", "theta")) == 14
+
+    asyncio.run(scenario())

@@ -295,3 +295,13 @@ def test_progress_and_targets_from_real_prometheus_text() -> None:
     orchestrator, pools = get_pod_targets(pods)
     assert orchestrator == f"http://10.1.0.5:{constants.ORCHESTRATOR_METRICS_PORT}/metrics"
     assert pools == {"decode": [f"http://10.1.0.6:{constants.INFERENCE_PORT}/metrics"]}
+
+
+def test_finished_run_stays_finished_when_its_job_is_removed() -> None:
+    run = make_run()
+    done = {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
+    run["status"] = get_status(run, workloads(run, ready=True, job=done), None, NOW, reconciled_generation=1)
+    without_job = [o for o in workloads(run, ready=False) if o["kind"] != "Job"]
+    status = get_status(run, without_job, None, LATER, reconciled_generation=1)
+    assert status["phase"] == "Succeeded"
+    assert status["completionTime"] == NOW

@@ -7,8 +7,9 @@ its own settings. Handlers:
 - create / update (spec only) / resume: reconcile the children, then write the status; update also prunes
   children the render no longer produces. A semantically invalid spec writes Ready=False reason InvalidSpec
   and one Warning Event, and creates nothing.
-- timer (every ``status_interval`` seconds): refresh the status from children and metrics. kopf puts its
-  finalizer (constants.FINALIZER) on served RLRuns because of it.
+- timer (every ``status_interval`` seconds): refresh the status from children and metrics; when a
+  workload of a live (not finished, valid) run is missing, reconcile it again (drift repair). kopf puts
+  its finalizer (constants.FINALIZER) on served RLRuns because of it.
 - delete (optional, no finalizer of its own): forget the run's metric series.
 
 Status writes: the handlers and the timer of one run run concurrently in kopf, so each status write holds
@@ -164,10 +165,21 @@ def get_registry(status_interval: float = constants.OPERATOR_STATUS_INTERVAL_S,
                 (fresh.get("status") or {}).get("observedGeneration")
             return await refresh_run(memo.api, memo.http, fresh, reconciled, getattr(memo, "invalid", None) or [])
 
+        seen: list[tuple[dict[str, Any], StatusChange]] = []
+
+        async def compute_and_keep(fresh: dict[str, Any]) -> StatusChange:
+            seen.append((fresh, await compute(fresh)))
+            return seen[-1][1]
+
         try:
-            await publish_status(memo, meta["namespace"], meta["name"], compute)
+            await publish_status(memo, meta["namespace"], meta["name"], compute_and_keep)
         except ApiError as exc:
             raise kopf.TemporaryError(f"status refresh failed: {exc}", delay=RETRY_DELAY_S) from exc
+        if seen and seen[-1][1].missing and seen[-1][0].get("metadata", {}).get("generation") == \
+                getattr(memo, "reconciled_generation", None):
+            # Drift: a workload of a live run was deleted behind our back (and no spec change is pending,
+            # which the update handler would apply); converge every child of the fresh object again.
+            await reconcile(seen[-1][0], memo, "drift", prune=False, assume_absent=False)
 
     @kopf.on.delete(*RESOURCE, registry=registry, optional=True)
     async def forget(body: Any, **_: Any) -> None:

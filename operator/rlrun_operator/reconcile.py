@@ -87,7 +87,7 @@ async def reconcile_run(api: KubeApi, rlrun: dict[str, Any], trigger: str, prune
     """Validate, render and converge every child of ``rlrun`` (a plain RLRun with metadata.uid).
 
     Args:
-        trigger: create | update | resume (a metrics label).
+        trigger: create | update | resume | drift (a metrics label).
         prune: also delete children the render no longer produces (on spec updates).
         assume_absent: POST first without a GET (a brand-new run); a 409 falls back to GET + patch.
 
@@ -133,11 +133,13 @@ def get_workloads(result: ReconcileResult) -> list[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class StatusChange:
-    """A status merge patch (empty: no write) and the phase transition it makes, if any."""
+    """A status merge patch (empty: no write), the phase transition it makes, if any, and the roles whose
+    workload is missing although the run should have it (drift: recreate them)."""
 
     patch: dict[str, Any]
     old_phase: str | None
     new_phase: str
+    missing: tuple[str, ...] = ()
 
 
 def plan_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress: status.Progress | None,
@@ -148,7 +150,9 @@ def plan_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress
     defaulted = get_defaulted(rlrun)
     wanted = status.get_status(defaulted, workloads, progress, now(), reconciled_generation, invalid)
     old = rlrun.get("status") or {}
-    return StatusChange(status.get_status_patch(old, wanted), old.get("phase"), wanted["phase"])
+    drifted = bool(workloads) and not invalid and wanted["phase"] not in status.TERMINAL_PHASES
+    missing = tuple(status.get_missing_roles(defaulted, workloads)) if drifted else ()
+    return StatusChange(status.get_status_patch(old, wanted), old.get("phase"), wanted["phase"], missing)
 
 
 async def refresh_run(api: KubeApi, session: aiohttp.ClientSession, rlrun: dict[str, Any],

@@ -6,7 +6,8 @@ Phase (docs/operator.md has the table):
 - Running: the trainer has all its pods ready, every inference pool and the router have at least one ready
   pod and the orchestrator Job has a ready pod; a run that was Running stays Running (Degraded=True) when a
   role loses pods.
-- Suspended: spec.suspend is true.  Succeeded / Failed: the orchestrator Job's Complete / Failed condition.
+- Suspended: spec.suspend is true.  Succeeded / Failed: the orchestrator Job's Complete / Failed condition
+  (sticky: a finished run whose Job was removed stays Succeeded / Failed).
 Ready=True only when the phase is Running, the last reconcile applied the current metadata.generation and
 every role has desired == ready == updated > 0, "updated" counting only replicas of the controller's
 current generation (observedGeneration == generation), as Kubernetes API conventions ask.
@@ -114,6 +115,11 @@ def _role_condition(kind: str, roles: dict[str, dict[str, int]], names: list[str
     return "False", "ReplicasNotReady", text
 
 
+def get_missing_roles(rlrun: dict[str, Any], workloads: list[dict[str, Any]]) -> list[str]:
+    """Roles of a defaulted RLRun whose workload (Deployment/StatefulSet/Job) does not exist."""
+    return [r for r in get_expected_roles(rlrun) if find_role(workloads, r) is None]
+
+
 def get_phase(workloads: list[dict[str, Any]], roles: dict[str, dict[str, int]], expected: list[str],
               suspended: bool, old_phase: str | None) -> str:
     """The run's phase from its workloads (see the module docstring)."""
@@ -122,6 +128,8 @@ def get_phase(workloads: list[dict[str, Any]], roles: dict[str, dict[str, int]],
         return PHASE_SUCCEEDED
     if job is not None and _job_condition(job, "Failed"):
         return PHASE_FAILED
+    if job is None and old_phase in TERMINAL_PHASES:
+        return old_phase  # the finished Job was removed (by hand or a TTL): the run stays finished
     if suspended:
         return PHASE_SUSPENDED
     if not workloads:
