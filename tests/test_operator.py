@@ -8,17 +8,22 @@ prometheus_client server bound on 127.0.0.x. Writes are counted on the emulator.
 from __future__ import annotations
 
 import asyncio
-import copy
+import os
 import random
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from kube import FidelityEmulator, run_operator, serve_kubernetes, wait_for
 from rlrun_operator import constants
+from rlrun_operator import metrics as operator_metrics
 from rlrun_operator.kubeapi import KubeApi, get_api_client
 from rlrun_operator.render import render
 from rlrun_operator.spec import apply_defaults
@@ -83,22 +88,27 @@ async def play_ready(api: KubeApi, emu: FidelityEmulator, namespace: str, name: 
         await api.merge_patch(obj["kind"], namespace, meta["name"], {"status": status}, subresource="status")
 
 
-def serve_orchestrator_metrics(step: int, version: int, reward: float) -> tuple[str, Any]:
-    """A prometheus_client server on a random 127.0.0.x at the orchestrator metrics port, exposing the
-    progress metrics. Returns (ip, server) — call server.shutdown()."""
+def serve_metrics(port: int, values: dict[str, float]) -> tuple[str, Any]:
+    """A prometheus_client server on a random 127.0.0.x at ``port`` exposing gauges ``values``.
+    Returns (ip, server) — call server.shutdown()."""
     registry = CollectorRegistry()
-    Gauge(constants.METRIC_STEP, "step", registry=registry).set(step)
-    Gauge(constants.METRIC_POLICY_VERSION, "version", registry=registry).set(version)
-    Gauge(constants.METRIC_LAST_REWARD, "reward", registry=registry).set(reward)
-    Gauge(constants.METRIC_WEIGHT_UPDATE_IN_FLIGHT, "flight", registry=registry).set(0)
+    for name, value in values.items():
+        Gauge(name, name, registry=registry).set(value)
     for _ in range(20):
         ip = f"127.0.0.{random.randint(20, 250)}"
         try:
-            server, _thread = start_http_server(constants.ORCHESTRATOR_METRICS_PORT, addr=ip, registry=registry)
+            server, _thread = start_http_server(port, addr=ip, registry=registry)
         except OSError:
             continue
         return ip, server
     raise RuntimeError("no free 127.0.0.x address for the metrics server")
+
+
+def serve_orchestrator_metrics(step: int, version: int, reward: float) -> tuple[str, Any]:
+    """The orchestrator's progress metrics, served like its pod does (constants.ORCHESTRATOR_METRICS_PORT)."""
+    return serve_metrics(constants.ORCHESTRATOR_METRICS_PORT, {
+        constants.METRIC_STEP: step, constants.METRIC_POLICY_VERSION: version,
+        constants.METRIC_LAST_REWARD: reward, constants.METRIC_WEIGHT_UPDATE_IN_FLIGHT: 0})
 
 
 async def create_pod(api: KubeApi, namespace: str, run: str, component: str, ip: str) -> None:
@@ -158,13 +168,20 @@ def test_status_follows_children_and_orchestrator_metrics_until_succeeded() -> N
         async with serve_kubernetes() as (emu, url):
             api = KubeApi(get_api_client(url))
             ip, metrics_server = serve_orchestrator_metrics(step=3, version=3, reward=0.625)
+            vllm_ip, vllm_server = serve_metrics(constants.INFERENCE_PORT, {constants.VLLM_METRIC_WAITING: 5})
             try:
                 async with run_operator(url, status_interval=INTERVAL):
                     await api.create(make_run("beta", "ns1"))
                     await wait_for(lambda: run_status(emu, "ns1", "beta").get("phase") == "Initializing")
                     await play_ready(api, emu, "ns1", "beta")
                     await create_pod(api, "ns1", "beta", constants.COMPONENT_ORCHESTRATOR, ip)
+                    await create_pod(api, "ns1", "beta", constants.COMPONENT_INFERENCE, vllm_ip)
                     await wait_for(lambda: run_status(emu, "ns1", "beta").get("step") == 3)
+                    # Re-exported on the operator's own metrics (embedded here: same process).
+                    await wait_for(lambda: operator_metrics.REGISTRY.get_sample_value(
+                        "rlrun_operator_queue_depth", {"namespace": "ns1", "name": "beta", "role": "inference"}) == 5)
+                    assert operator_metrics.REGISTRY.get_sample_value(
+                        "rlrun_operator_run_step", {"namespace": "ns1", "name": "beta"}) == 3
                     status = run_status(emu, "ns1", "beta")
                     assert status["phase"] == "Running"
                     assert (status["policyVersion"], status["lastReward"]) == (3, 0.625)
@@ -191,6 +208,7 @@ def test_status_follows_children_and_orchestrator_metrics_until_succeeded() -> N
                     await wait_for(lambda: {"Initializing", "Running", "Succeeded"} <= event_reasons(emu, "ns1", "beta"))
             finally:
                 metrics_server.shutdown()
+                vllm_server.shutdown()
 
     asyncio.run(scenario())
 
@@ -363,13 +381,6 @@ def test_two_runs_in_two_namespaces_stay_isolated() -> None:
 
 def test_rlrun_operator_process_logs_in_with_kubeconfig_and_serves_metrics_and_liveness(tmp_path: Path) -> None:
     """The console script as a process: KUBECONFIG login, children created, /healthz and /metrics."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    import aiohttp
-
     def free_port() -> int:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
