@@ -306,6 +306,20 @@ def test_real_run_async_gate_weight_updates_metrics_and_resume(tmp_path, router)
         samples = [json.loads(line) for line in storage.rollout_samples_file.read_text().splitlines()]
         assert {"prompt", "completion", "reward", "policy_version", "step"} <= set(samples[0])
 
+        # a group is one request with n choices (vLLM 0.32): each choice has its own server token ids and
+        # logprobs, and choice i is exactly what an n=1 request with seed + i samples
+        sampling = {"temperature": 1.0, "topP": 1.0}
+        body = get_completion_request([5, 6, 7, 8], sampling, 8, 3, seed=100, n=4)
+        choices = sorted(httpx.post(f"{engine_url}/v1/completions", json=body, timeout=60).json()["choices"],
+                         key=lambda c: c["index"])
+        assert [c["index"] for c in choices] == [0, 1, 2, 3]
+        for i, group_choice in enumerate(choices):
+            single = get_completion_request([5, 6, 7, 8], sampling, 8, 3, seed=100 + i, n=1)
+            alone = httpx.post(f"{engine_url}/v1/completions", json=single, timeout=60).json()["choices"][0]
+            parsed, expected = parse_completion_choice(group_choice), parse_completion_choice(alone)
+            assert parsed is not None and parsed.token_ids == expected.token_ids
+            assert parsed.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+
         # resume: the same storage, two more steps; batches continue at 4 with the next prompts
         rlrun["spec"]["algorithm"]["maxSteps"] = 5
         write_config(config, rlrun)
