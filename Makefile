@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 EXAMPLE ?= examples/rlrun-tiny.yaml
+# A new output directory per `make local`, so running it again never trips over the last run's state.
+OUTPUT ?= outputs/tiny-reverse-$(shell date +%Y%m%d-%H%M%S)
 
 .PHONY: install local test sync-crd
 
@@ -22,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 local: install
-	$(BIN)/rlrun local $(EXAMPLE)
+	$(BIN)/rlrun local $(EXAMPLE) --output-dir $(OUTPUT)
 
 test: install
 	$(BIN)/python -m pytest -q
