@@ -50,7 +50,8 @@ from rlrun_runtime.vllm_admin import (EngineError, VLLMAdmin, parse_version, res
 
 log = logging.getLogger("rlrun.orchestrator")
 
-POLL_S = 0.2                 # how often weights/ and the engines' versions are checked
+POLL_S = 0.2                 # how often the engines' versions are checked (weight_info over HTTP)
+PUBLISH_POLL_S = 0.02        # how often weights/ is listed for a newly published version
 HEALTH_TIMEOUT_S = 1800.0    # how long to wait for the router and engines at start (vLLM may download a model)
 REQUEST_TIMEOUT_S = 600.0    # one completion request (queued behind a weight-update pause counts too)
 REQUEST_RETRIES = 3
@@ -273,7 +274,24 @@ class Orchestrator:
                     raise OrchestratorError(f"weight updates failed {failures} times in a row: {err}") from err
             if self.loaded_version >= self.max_steps:
                 return
-            await asyncio.sleep(self.poll_s * (1 if failures == 0 else min(2**failures, 50)))
+            if failures:
+                await asyncio.sleep(self.poll_s * min(2**failures, 50))
+            else:
+                await self.wait_for_publish(self.poll_s)
+
+    async def wait_for_publish(self, timeout_s: float) -> bool:
+        """Sleep up to ``timeout_s``, returning early (True) once the trainer publishes a newer version.
+
+        ``weights/`` is listed every ``PUBLISH_POLL_S`` (a directory listing, no HTTP), so a new version
+        reaches the engines within ~``PUBLISH_POLL_S`` instead of up to a whole ``poll_s``: with
+        maxAsyncLevel 1 the next batch waits for that load, and the trainer for that batch.
+        """
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if self.newest_published() > self.loaded_version:
+                return True
+            await asyncio.sleep(min(PUBLISH_POLL_S, left))
+        return False
 
     # --- generation ---------------------------------------------------------------------------------
     def _completion_url(self, engines: Sequence[str]) -> str:
