@@ -384,6 +384,10 @@ class FakeEngineHandler(http.server.BaseHTTPRequestHandler):
         type(self).calls.append((self.path, payload))
         if self.path == "/update_weight_version":
             type(self).version = payload["new_version"]
+        if self.path == "/v1/completions":  # n choices; choice i's token is its seed (vLLM: seed + i)
+            self._reply({"choices": [{"index": i, "text": f"c{payload['seed'] + i}", "token_ids": [payload["seed"] + i],
+                                      "logprobs": {"token_logprobs": [-0.5]}} for i in range(payload["n"])]})
+            return
         self._reply({"success": True} if self.path == "/reset_prefix_cache" else {"status": "ok"})
 
     def log_message(self, *args):
@@ -466,3 +470,51 @@ def test_weight_loop_reconciles_every_engine(tmp_path, fake_engines):
     publish(storage, 2)
     asyncio.run(sync())
     assert "/collective_rpc" in paths(first) and "/collective_rpc" in paths(second)
+
+
+class WordTask:
+    prompt = "a b"
+
+
+class StandInEnv:
+    def task(self, index):
+        return WordTask()
+
+    def score(self, task, text):
+        return float(text == "c1")
+
+
+class StandInTokenizer:
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+@pytest.mark.parametrize("disaggregated, expected_n", [(False, [4]), (True, [1, 1, 1, 1])])
+def test_a_group_is_one_request_with_n_choices_unless_disaggregated(tmp_path, fake_engines, disaggregated, expected_n):
+    from rlrun_operator.spec import apply_defaults
+    from rlrun_runtime.orchestrator import Orchestrator
+    from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
+
+    engine, address = fake_engines()
+    spec = apply_defaults(tiny_rlrun(rolloutsPerPrompt=4))["spec"]
+    spec["inference"]["disaggregation"]["enabled"] = disaggregated
+    orchestrator = Orchestrator(spec, RunStorage(tmp_path), StandInEnv(), StandInTokenizer(), [address], None,
+                                OrchestratorMetrics(max_steps=5))
+    orchestrator.loaded_version = 7
+
+    async def generate():
+        try:
+            return await orchestrator.generate_group(3, [f"http://{address}"])
+        finally:
+            await orchestrator._http().aclose()
+
+    group = asyncio.run(generate())
+    requests = [body for path, body in engine.calls if path == "/v1/completions"]
+    assert [body["n"] for body in requests] == expected_n
+    seed = requests[0]["seed"]
+    assert sorted(body["seed"] for body in requests) == list(range(seed, seed + 4, 4 // len(requests)))
+    assert all(body["cache_salt"] == "policy-7" and body["prompt"] == [97, 32, 98] for body in requests)
+    # the same four samples either way: choice i of seed s is the sample of seed s + i
+    assert sorted(c.token_ids[0] for c in group.completions) == [seed, seed + 1, seed + 2, seed + 3]
+    assert (group.task_index, group.policy_version, group.prompt_ids) == (3, 7, [97, 32, 98])
+    assert len(group.rewards) == 4

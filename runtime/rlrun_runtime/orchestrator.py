@@ -129,6 +129,11 @@ class Orchestrator:
         self.std_normalize = bool(algo["advantageStdNormalization"])
         self.sampling = algo["sampling"]
         self.max_model_len = int(spec["model"]["maxModelLen"])
+        # Choices per completions request: the whole group at once, except behind prefill/decode
+        # disaggregation, where vLLM 0.32's completions handler returns only the first choice's
+        # kv_transfer_params (entrypoints/openai/completion/serving.py), i.e. one KV hand-off for n sequences.
+        disaggregated = bool(((spec.get("inference") or {}).get("disaggregation") or {}).get("enabled"))
+        self.choices_per_request = 1 if disaggregated else self.group_size
         self.loaded_version = -1            # version every engine has loaded; -1 until the first check
         self.version_changed = asyncio.Event()
         self.leftover: list[Group] = []
@@ -343,7 +348,9 @@ class Orchestrator:
     async def generate_group(self, task_index: int, engines: Sequence[str]) -> Group | None:
         """Sample ``rolloutsPerPrompt`` completions of task ``task_index`` and score them.
 
-        Returns None when the prompt leaves no room for a completion within maxModelLen.
+        One completions request with ``n = rolloutsPerPrompt`` and seed s; with prefill/decode
+        disaggregation, ``rolloutsPerPrompt`` requests with ``n: 1`` and seeds s + i (the same samples:
+        vLLM gives choice i the seed s + i). Returns None when the prompt leaves no room for a completion within maxModelLen.
         """
         task = self.env.task(task_index)
         prompt_ids, prompt_text = render_prompt(self.tokenizer, task.prompt)
@@ -353,11 +360,13 @@ class Orchestrator:
                         task_index, len(prompt_ids), self.max_model_len)
             return None
         version = self.loaded_version
-        # One request with n = rolloutsPerPrompt: the engine samples the group as n sequences of one
-        # prompt (child seeds seed + i, vLLM's parallel sampling) instead of n separate HTTP requests.
-        body = get_completion_request(prompt_ids, self.sampling, max_tokens, version,
-                                      seed=self.seed_rng.randrange(2**31), n=self.group_size)
-        results = await self._complete(body, engines)
+        # One request with n = rolloutsPerPrompt (vLLM samples choice i with seed + i) instead of n HTTP
+        # requests; n requests of n: 1 with seeds seed + i when disaggregated: the same samples either way.
+        seed, per_request = self.seed_rng.randrange(2**31 - self.group_size), self.choices_per_request
+        bodies = [get_completion_request(prompt_ids, self.sampling, max_tokens, version, seed=seed + first,
+                                         n=per_request) for first in range(0, self.group_size, per_request)]
+        answers = await asyncio.gather(*(self._complete(body, engines) for body in bodies))
+        results = [completion for answer in answers for completion in answer]
         completions = [c for c in results if c is not None]
         dropped = len(results) - len(completions)
         rewards = []
