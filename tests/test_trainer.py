@@ -233,4 +233,4 @@ def test_unimplemented_spec_fields_are_refused():
     assert get_unsupported_fields(spec(parallelism={"fsdp": 2}), world_size=2) == []
     found = get_unsupported_fields(spec(lora={"rank": 8}, quantization="fp8", parallelism={"cp": 2, "fsdp": 4}), 2)
     assert [f.split(":")[0] for f in found] == ["spec.trainer.lora.rank", "spec.trainer.quantization",
-                                                "spec.trainer.parallelism", "spec.trainer.parallelism.fsdp"]
+                                                "spec.trainer.parallelism.cp", "spec.trainer.parallelism.fsdp"]

@@ -10,7 +10,9 @@
    wrong type does not also show up as a confusing rule failure.
 3. semantic checks that a schema cannot express (P:D sizing, autoscaling bounds against the sized pools,
    trainer parallelism degrees, builtin environment names, metadata.name present, spec.pod.env not
-   replacing the runtime's own variables). They run only when step 1 found nothing, because they read
+   replacing the runtime's own variables, features this release does not implement yet: LoRA, fp8/mxfp8,
+   ep/cp > 1, partial FSDP, the nccl weight transport, the autoscaler — checked last, only when nothing
+   else is wrong). They run only when step 1 found nothing, because they read
    many fields at once and need them well typed; an error whose path a CEL rule already reported is not
    repeated.
 
@@ -355,6 +357,47 @@ def check_parallelism(trainer: dict[str, Any]) -> list[FieldError]:
     return []
 
 
+def check_implemented(run_spec: dict[str, Any], world_size: int | None = None) -> list[FieldError]:
+    """Spec features the CRD can describe but this release's runtime does not implement.
+
+    Silently ignoring LoRA, low-precision matmuls, expert/context parallelism, a partial FSDP degree or the
+    NCCL weight transport would run a different experiment than the spec describes, so they are refused
+    here (the operator reports InvalidSpec, `rlrun validate`/`rlrun local` exit 2) and again by the trainer.
+
+    Args:
+        run_spec: the defaulted spec.
+        world_size: the trainer's actual rank count when known (the trainer passes it); otherwise
+            nodes x gpusPerNode, or 1 on CPU.
+    """
+    trainer = run_spec["trainer"]
+    world = world_size or trainer["nodes"] * max(1, trainer["gpusPerNode"])
+    out = []
+    if trainer["lora"]["rank"] > 0:
+        out.append(FieldError("spec.trainer.lora.rank", "LoRA is not implemented by the trainer yet; set it to 0 "
+                                                        "(full fine-tuning)"))
+    if trainer["quantization"] != "none":
+        out.append(FieldError("spec.trainer.quantization", f"{trainer['quantization']} training is not implemented "
+                                                           "yet; set none"))
+    par = trainer["parallelism"]
+    for key in ("ep", "cp"):
+        if par[key] != 1:
+            out.append(FieldError(f"spec.trainer.parallelism.{key}", f"{par[key]}: expert and context parallelism "
+                                                                      "are not implemented yet; set 1"))
+    if par["fsdp"] not in (-1, world):
+        out.append(FieldError("spec.trainer.parallelism.fsdp", f"{par['fsdp']} does not match the {world} trainer "
+                                                               "rank(s) (hybrid sharding is not implemented yet); "
+                                                               "set -1"))
+    if run_spec["autoscaling"]["enabled"]:
+        out.append(FieldError("spec.autoscaling.enabled", "the prefill/decode autoscaler is not implemented yet; "
+                                                          "set false (pools keep the sizes from "
+                                                          "inference.disaggregation.ratio and replicas)"))
+    if run_spec["weightSync"]["transport"] != "filesystem":
+        out.append(FieldError("spec.weightSync.transport", f"{run_spec['weightSync']['transport']} is not "
+                                                           "implemented yet; set filesystem (safetensors on the "
+                                                           "shared storage, reloaded in place by every server)"))
+    return out
+
+
 def check_environment(environment: dict[str, Any]) -> list[FieldError]:
     """Builtin task names are known (constants.BUILTIN_ENVIRONMENTS); python names are import paths."""
     kind, name = environment["type"], environment["name"]
@@ -422,4 +465,6 @@ def _validate(rlrun: Any) -> list[FieldError]:
     if not schema_errors:
         reported = {e.path for e in cel_errors}
         out += [e for e in check_semantics(defaulted) if e.path not in reported]
+    if not out:  # a spec that is right in itself may still ask for what this release cannot do yet
+        out += check_implemented(defaulted["spec"])
     return out

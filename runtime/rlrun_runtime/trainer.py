@@ -32,6 +32,7 @@ import yaml
 
 from rlrun_operator import constants as c
 from rlrun_operator.spec import apply_defaults
+from rlrun_operator.validation import check_implemented
 
 from . import checkpoint as ckpt
 from .loss import LossMetrics, policy_loss, token_logprobs
@@ -86,23 +87,10 @@ def get_trainer_config(rlrun: dict[str, Any]) -> TrainerConfig:
 def get_unsupported_fields(rlrun: dict[str, Any], world_size: int) -> list[str]:
     """Spec fields this trainer does not implement yet, each as "field: why; the fix" (empty when all is fine).
 
-    The trainer trains every parameter with FSDP over all ranks in the spec's dtype; silently ignoring LoRA,
-    low-precision matmuls, expert/context parallelism or a partial FSDP degree would run a different
-    experiment than the spec describes.
+    The same rules as ``rlrun_operator.validation.check_implemented`` (which `rlrun validate` and the operator
+    apply before anything starts), evaluated with the trainer's actual rank count.
     """
-    trainer = rlrun["spec"]["trainer"]
-    out = []
-    if trainer["lora"]["rank"] > 0:
-        out.append("spec.trainer.lora.rank: LoRA is not implemented by the trainer; set it to 0 (full fine-tuning)")
-    if trainer["quantization"] != "none":
-        out.append(f"spec.trainer.quantization: {trainer['quantization']} training is not implemented; set none")
-    par = trainer["parallelism"]
-    if par["ep"] != 1 or par["cp"] != 1:
-        out.append("spec.trainer.parallelism: expert and context parallelism are not implemented; set ep and cp to 1")
-    if par["fsdp"] not in (-1, world_size):
-        out.append(f"spec.trainer.parallelism.fsdp: {par['fsdp']} does not match the {world_size} trainer ranks "
-                   "(hybrid sharding is not implemented); set -1")
-    return out
+    return [str(error) for error in check_implemented(rlrun["spec"], world_size)]
 
 
 def get_lr_factor(step: int, schedule: str, warmup_steps: int, max_steps: int) -> float:
