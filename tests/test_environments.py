@@ -291,3 +291,18 @@ def test_python_missing_module_and_bad_args(user_module):
         python_env(f"{user_module}:Echo", colour="red")
     with pytest.raises(EnvironmentSpecError, match="takes no args"):
         python_env(f"{user_module}:INSTANCE", word="x")
+
+
+def test_python_module_or_factory_that_raises_is_a_spec_error(tmp_path, monkeypatch):
+    name = f"broken_env_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text("raise RuntimeError('no GPU here')\n")
+    (tmp_path / f"{name}_factory.py").write_text("def make():\n    raise KeyError('dataset')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(EnvironmentSpecError, match=r"spec.environment.name: importing .* RuntimeError: no GPU"):
+            python_env(f"{name}:Env")
+        with pytest.raises(EnvironmentSpecError, match=r"raised KeyError"):
+            python_env(f"{name}_factory:make")
+    finally:
+        sys.modules.pop(name, None)
+        sys.modules.pop(f"{name}_factory", None)

@@ -36,6 +36,8 @@ def test_cpu_both_args_parse_in_vllm(vllm_parser):
     args = get_vllm_args(spec, "both", "/data/model", 8123)
     parsed = vllm_parser.parse_args(args)
     assert parsed.model == "/data/model"
+    # only the request's sampling parameters apply (no top_k etc. from the model's generation_config.json)
+    assert parsed.generation_config == "vllm"
     assert parsed.served_model_name == [constants.SERVED_MODEL_NAME]
     assert parsed.host == "0.0.0.0" and parsed.port == 8123
     assert parsed.dtype == "float32" and parsed.max_model_len == 128

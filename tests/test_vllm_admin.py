@@ -258,3 +258,16 @@ def test_pause_resume_latency_for_the_tiny_model(engine):
         assert median < 1000.0  # the benchmark target (issue section 9)
 
     asyncio.run(body())
+
+
+def test_reload_that_times_out_is_never_sent_twice(scripted_server, tmp_path):
+    async def body():
+        handler, url = scripted_server
+        handler.delay_s = 0.5
+        async with VLLMAdmin(url, timeout_s=0.1, retries=3, backoff_s=0.01) as admin:
+            # the reload has its own long timeout; make it short here through httpx's per-request option
+            with pytest.raises(EngineError, match="ReadTimeout"):
+                await admin._call("POST", "/collective_rpc", timeout=0.1, retry_on_timeout=False, json={})
+        assert handler.calls == ["/collective_rpc"]
+
+    asyncio.run(body())

@@ -77,6 +77,10 @@ def get_vllm_args(spec: Mapping[str, Any], role: str, model: str, port: int,
         "--data-parallel-size", str(int(inference["dataParallel"])),
         # Logprobs of the sampled distribution (temperature and top-p applied): see the module docstring.
         "--logprobs-mode", "processed_logprobs",
+        # Sampling uses only what each request sends (temperature, top_p): vLLM's default "auto" would add the
+        # model's generation_config.json defaults (Qwen3: top_k 20), renormalising the inference logprobs
+        # over a truncated vocabulary that the trainer's log_softmax(logits / T) does not reproduce.
+        "--generation-config", "vllm",
         # rlrun_reload_weights: in-place reload that also refreshes tied LM heads (rlrun_runtime.vllm_worker).
         "--worker-extension-cls", EXTENSION_QUALNAME,
     ]

@@ -113,7 +113,8 @@ def atomic_directory(path: Path) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success rename it to ``path`` in one step.
 
     On error the temporary directory is removed and ``path`` is untouched. An existing ``path`` is
-    replaced (removed first), so a re-published step never leaves a mix of old and new files.
+    replaced whole (moved aside, the new one renamed in, the old one deleted), so a re-published step never
+    leaves a mix of old and new files and is never missing.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
@@ -124,8 +125,14 @@ def atomic_directory(path: Path) -> Iterator[Path]:
                 with open(child, "rb") as handle:
                     os.fsync(handle.fileno())
         if path.exists():
-            shutil.rmtree(path)
-        os.rename(tmp, path)
+            # Replace without a moment where ``path`` is missing: move the old one aside, rename the new
+            # one in, then delete the old one (a server may be reading a re-published weights step).
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+            os.rename(path, old / path.name)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

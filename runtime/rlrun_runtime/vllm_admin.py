@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_RETRIES = 3
 DEFAULT_BACKOFF_S = 0.2
+# A reload reads the whole checkpoint from shared storage: multi-GB models take far longer than an admin
+# call, and re-sending a reload whose first attempt timed out would run two at once. So the reload gets its
+# own, long timeout and is never retried after a read timeout (only when the connection could not be made).
+RELOAD_TIMEOUT_S = 900.0
 
 
 class EngineError(RuntimeError):
@@ -70,7 +74,8 @@ class VLLMAdmin:
     async def close(self) -> None:
         await self._client.aclose()
 
-    async def _call(self, method: str, path: str, *, retries: int | None = None, **kwargs: Any) -> httpx.Response:
+    async def _call(self, method: str, path: str, *, retries: int | None = None, retry_on_timeout: bool = True,
+                    **kwargs: Any) -> httpx.Response:
         attempts = (self.retries if retries is None else retries) + 1
         last = ""
         for attempt in range(attempts):
@@ -78,6 +83,8 @@ class VLLMAdmin:
                 response = await self._client.request(method, path, **kwargs)
             except httpx.HTTPError as err:  # connection refused, timeouts, protocol errors
                 last = f"{method} {path}: {type(err).__name__}: {err}"
+                if not retry_on_timeout and isinstance(err, (httpx.ReadTimeout, httpx.WriteTimeout)):
+                    break  # the engine may still be working on it: never send it twice
             else:
                 if response.status_code < 400:
                     return response
@@ -116,7 +123,7 @@ class VLLMAdmin:
         :mod:`rlrun_runtime.vllm_worker`; needs ``--worker-extension-cls``, which the inference role passes),
         or vLLM's own ``reload_weights``.
         """
-        await self._call("POST", "/collective_rpc",
+        await self._call("POST", "/collective_rpc", timeout=RELOAD_TIMEOUT_S, retry_on_timeout=False,
                          json={"method": method, "kwargs": {"weights_path": str(weights_path)}})
 
     async def update_weight_version(self, version: int | str) -> None:

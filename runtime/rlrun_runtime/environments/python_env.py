@@ -45,6 +45,10 @@ def load_python_environment(path: str, seed: int = 0, args: dict[str, Any] | Non
         raise EnvironmentSpecError(
             f"spec.environment.name: cannot import module {module_name!r} ({exc}); install it in the runtime "
             f"image or put it on PYTHONPATH") from exc
+    except Exception as exc:  # the user's module failed while importing: report it, no traceback
+        raise EnvironmentSpecError(
+            f"spec.environment.name: importing {module_name!r} raised {type(exc).__name__}: {exc}; fix that "
+            f"module (import it in Python to see the traceback)") from exc
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
@@ -72,4 +76,8 @@ def load_python_environment(path: str, seed: int = 0, args: dict[str, Any] | Non
         raise EnvironmentSpecError(
             f"spec.environment.args: {path!r} rejected the arguments {sorted(args)} ({exc}); pass the keyword "
             f"arguments its signature takes") from exc
+    except Exception as exc:  # the user's factory failed: report it, no traceback
+        raise EnvironmentSpecError(
+            f"spec.environment.name: {path!r} raised {type(exc).__name__}: {exc} when called with "
+            f"{sorted(args)}; fix the factory or spec.environment.args") from exc
     return _check(env, path)
