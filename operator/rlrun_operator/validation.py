@@ -236,6 +236,11 @@ def _schema_error(err: jsonschema.ValidationError) -> FieldError:
         return FieldError(path, f"must have at least {arg} item(s); add items")
     if kind == "maxItems":
         return FieldError(path, f"must have at most {arg} items; remove some")
+    if kind == "pattern" and "Kubernetes quantity" in sub.get("description", ""):
+        return FieldError(path, f"{_describe(got)} is not a Kubernetes quantity; write e.g. 2, \"500m\", \"4Gi\"")
+    if kind == "anyOf" and all(set(branch) == {"type"} for branch in arg):
+        want = " or ".join(f"{'an' if b['type'][0] in 'aeiou' else 'a'} {b['type']}" for b in arg)
+        return FieldError(path, f"must be {want}, not {_describe(got)}; write {want}")
     if kind == "pattern":
         desc = sub.get("description", "")
         hint = f" ({desc.strip().rstrip('.')})" if desc else ""
