@@ -12,7 +12,12 @@ in-memory object store served over HTTP. What it lacks and this layer adds, the 
 - watches from a resourceVersion do not replay objects the client already listed (kmock replays all);
 - ``labelSelector`` on lists (equality, ``!=``, ``in``/``notin``, existence, ``!key``);
 - ownerReference garbage collection: when an object is gone, its dependents (by ownerReferences.uid) are
-  deleted in the background, recursively (finalizers honoured: they only get a deletionTimestamp).
+  deleted in the background, recursively (finalizers honoured: they only get a deletionTimestamp);
+- with ``check_kinds`` (``serve_kubernetes``'s default): the API server's validation of the built-in kinds a
+  run owns (CHECKED_KINDS), emulated with kubernetes-validate (strict, the pinned KUBE_VERSION schemas) on
+  create and on every patch of the main resource: an invalid object answers 422 Invalid, as
+  kube-apiserver does, and is not stored. (Not the server's full validation: schema and unknown fields
+  only, no cross-field rules.)
 Every write request (POST, PUT, PATCH, DELETE) is recorded in ``writes`` for the tests to count (kmock's
 own request views only see the requests in flight: see ``__iter__``).
 Not emulated (the operator must not rely on them): admission, schema validation and defaulting, field
@@ -33,6 +38,7 @@ from typing import Any, AsyncIterator
 import jsonpatch
 import kmock
 import kopf
+import kubernetes_validate
 from kmock._internal import enums
 
 from rlrun_operator import constants
@@ -43,6 +49,10 @@ from rlrun_operator.kubeapi import KINDS, KubeApi, get_api_client
 STATUS_SUBRESOURCE_KINDS = {"Deployment", "StatefulSet", "Job", "Pod", "PersistentVolumeClaim", "Service",
                             constants.KIND}
 KIND_BY_RESOURCE = {(info.api_version, info.plural): kind for kind, info in KINDS.items()}
+# Built-in kinds whose writes are checked against the official schemas when ``check_kinds`` is on.
+CHECKED_KINDS = {"ConfigMap", "PersistentVolumeClaim", "ServiceAccount", "Role", "RoleBinding", "Service",
+                 "NetworkPolicy", "StatefulSet", "Deployment", "Job"}
+KUBE_VERSION = "1.37"  # the newest schemas kubernetes-validate 1.37.0 ships
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self.revision = 0
+        self.check_kinds = False
         self.writes: list[Write] = []
         self.write_lock = asyncio.Lock()
         self.routing: list[kmock.Request] = []
@@ -219,8 +230,22 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             meta.setdefault("namespace", request.namespace)
         body.setdefault("apiVersion", _api_version(request.resource))
         body.setdefault("kind", kind)
+        self._check(kind, body)
         meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_revision(), generation=1,
                     creationTimestamp=_now())
+
+    def _check(self, kind: str, obj: dict[str, Any]) -> None:
+        """Raise 422 Invalid for a built-in object the official schema refuses (when ``check_kinds``)."""
+        if not self.check_kinds or kind not in CHECKED_KINDS:
+            return
+        try:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = ".".join(str(p) for p in exc.path)
+            first = str(exc).splitlines()[0]
+            name = obj.get("metadata", {}).get("name", "")
+            raise kmock.KubernetesError(status=422, reason="Invalid",
+                                        message=f'{kind} "{name}" is invalid: {where}: {first}') from None
 
     def _prepare_update(self, request: kmock.Request, key: Any, kind: str) -> None:
         if key not in self.objects or self.objects[key].deleted:
@@ -254,6 +279,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         content_new = {k: v for k, v in new.items() if k not in ("metadata", "status")}
         if content_old != content_new:
             meta["generation"] = int(old.get("metadata", {}).get("generation", 1)) + 1
+        if request.subresource is None:
+            self._check(kind, new)
         meta["resourceVersion"] = self._next_revision()
         diff = _merge_diff(old, new)
         if isinstance(request.data, list):
@@ -330,9 +357,11 @@ class FidelityEmulator(kmock.KubernetesEmulator):
 
 
 @contextlib.asynccontextmanager
-async def serve_kubernetes() -> AsyncIterator[tuple[FidelityEmulator, str]]:
-    """Start the emulator on a free loopback port; yields (emulator, server URL)."""
+async def serve_kubernetes(check_kinds: bool = True) -> AsyncIterator[tuple[FidelityEmulator, str]]:
+    """Start the emulator on a free loopback port; yields (emulator, server URL). ``check_kinds``: answer
+    422 for built-in objects the official schemas refuse (see the module docstring)."""
     async with FidelityEmulator() as emulator, kmock.Server(emulator) as server:
+        emulator.check_kinds = check_kinds
         yield emulator, str(server.url).rstrip("/")
 
 

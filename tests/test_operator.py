@@ -446,3 +446,59 @@ def test_deleted_workload_is_recreated_by_the_status_timer() -> None:
                 assert len(children(emu, "ns1", "theta")) == 14
 
     asyncio.run(scenario())
+
+
+def test_child_refused_by_the_api_server_is_invalid_spec_without_endless_retries() -> None:
+    """spec.pod.affinity is free-form in the CRD, so a malformed one passes validate; the API server (here
+    kubernetes-validate in tests/kube.py) answers 422 for the rendered StatefulSet. That is InvalidSpec with
+    the server's message and one Warning Event, not a conflict retried forever."""
+    async def scenario() -> None:
+        async with serve_kubernetes() as (emu, url):
+            api = KubeApi(get_api_client(url))
+            async with run_operator(url, status_interval=INTERVAL):
+                bad = make_run("iota", "ns1")
+                bad["spec"]["pod"] = {"affinity": {"nodeAffinity": 5}}
+                await api.create(bad)
+                await wait_for(lambda: run_status(emu, "ns1", "iota").get("conditions"))
+                ready = condition(run_status(emu, "ns1", "iota"), "Ready")
+                assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+                assert 'StatefulSet "iota-trainer" is invalid' in ready["message"]
+                assert "affinity.nodeAffinity" in ready["message"]
+                await wait_for(lambda: "InvalidSpec" in event_reasons(emu, "ns1", "iota"))
+                refused = [w for w in emu.writes if w.status == 422]
+                assert [(w.method, w.kind) for w in refused] == [("POST", "StatefulSet")]
+                # No retry loop: nothing more is attempted while the spec stays the same.
+                before = emu.write_count(CHILD_KINDS)
+                await asyncio.sleep(6 * INTERVAL)
+                assert emu.write_count(CHILD_KINDS) == before
+                assert len([e for e in emu.find("Event", "ns1") if e["reason"] == "InvalidSpec"]) == 1
+                # Fixing the spec recovers: every child exists.
+                await api.json_patch(constants.KIND, "ns1", "iota",
+                                     [{"op": "remove", "path": "/spec/pod/affinity"}])
+                await wait_for(lambda: condition(run_status(emu, "ns1", "iota"), "Ready")["reason"] == "RolesNotReady")
+                assert len(children(emu, "ns1", "iota")) == 14
+
+    asyncio.run(scenario())
+
+
+def test_patch_refused_by_the_api_server_is_invalid_spec_not_a_conflict() -> None:
+    """A valid run, then a spec change whose rendered children the API server refuses (422 on a JSON patch
+    whose resourceVersion test held): InvalidSpec, the live children are kept, no retry loop."""
+    async def scenario() -> None:
+        async with serve_kubernetes() as (emu, url):
+            api = KubeApi(get_api_client(url))
+            async with run_operator(url, status_interval=INTERVAL):
+                await api.create(make_run("kappa", "ns1"))
+                await wait_for(lambda: run_status(emu, "ns1", "kappa").get("phase") == "Initializing")
+                await api.merge_patch(constants.KIND, "ns1", "kappa",
+                                      {"spec": {"pod": {"affinity": {"podAffinity": "near"}}}})
+                await wait_for(lambda: condition(run_status(emu, "ns1", "kappa"), "Ready")["reason"] == "InvalidSpec")
+                assert "affinity.podAffinity" in condition(run_status(emu, "ns1", "kappa"), "Ready")["message"]
+                refused = [(w.method, w.kind) for w in emu.writes if w.status == 422]
+                assert refused == [("PATCH", "StatefulSet")]
+                before = emu.write_count(CHILD_KINDS)
+                await asyncio.sleep(6 * INTERVAL)
+                assert emu.write_count(CHILD_KINDS) == before
+                assert len(children(emu, "ns1", "kappa")) == 14
+
+    asyncio.run(scenario())

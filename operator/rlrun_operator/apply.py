@@ -14,6 +14,8 @@ Rules (docs/operator.md explains them):
   resume restores that count.
 - A Job's pod template is immutable: when the orchestrator Job's rendered content changes it is deleted
   (background propagation) and created again; ``spec.suspend`` alone is patched in place.
+- A 422 that is not a failed resourceVersion ``test`` means the API server refuses the rendered object
+  itself: InvalidChild, reported as InvalidSpec, never retried in a loop.
 - A PersistentVolumeClaim is only ever created (its spec is immutable but for a resize, done by hand).
 """
 
@@ -212,12 +214,34 @@ class ApplyConflict(Exception):
     """A child kept changing under us (or a replaced Job was not gone yet); retry the reconcile later."""
 
 
+class InvalidChild(Exception):
+    """The API server refused a rendered child as invalid (422 on create, or on a patch whose
+    resourceVersion ``test`` held): the spec renders an object Kubernetes does not accept (e.g. a malformed
+    ``spec.pod.affinity``). Retrying cannot help; the run is reported InvalidSpec until its spec changes.
+    ``message`` is the API server's, prefixed with the child's kind and name."""
+
+    def __init__(self, kind: str, name: str, message: str) -> None:
+        super().__init__(f"{kind} {name} was refused by the API server: {message}")
+        self.kind = kind
+        self.name = name
+
+
+def _tested_version(ops: list[dict[str, Any]]) -> str | None:
+    """The resourceVersion a patch's leading ``test`` op expects (plan_child always puts it first)."""
+    if ops and ops[0].get("op") == "test" and ops[0].get("path") == "/metadata/resourceVersion":
+        return ops[0].get("value")
+    return None
+
+
 async def apply_child(api: KubeApi, desired: dict[str, Any], suspended: bool,
                       assume_absent: bool = False) -> Outcome:
     """Converge one child: GET (skipped on the first attempt when ``assume_absent``: a brand-new run),
-    plan, then create/patch/replace. A 409 on create or a 422 on a patch re-reads and re-plans.
+    plan, then create/patch/replace. A 404 or 409 re-reads and re-plans. A 422 on a patch re-plans only
+    when the resourceVersion ``test`` failed (the child changed since it was read: a newer resourceVersion
+    when read again); any other 422, and every 422 on create, means the object itself is invalid.
 
-    Raises ApplyConflict after MAX_ATTEMPTS, ApiError for any other API failure.
+    Raises InvalidChild at once for an invalid object, ApplyConflict after MAX_ATTEMPTS conflicts,
+    ApiError for any other API failure.
     """
     kind, meta = desired["kind"], desired["metadata"]
     namespace, name = meta["namespace"], meta["name"]
@@ -235,7 +259,14 @@ async def apply_child(api: KubeApi, desired: dict[str, Any], suspended: bool,
             await api.delete(kind, namespace, name)
             return Outcome(kind, name, "replace", await api.create(plan.body or {}))
         except ApiError as exc:
-            if exc.status not in (404, 409, 422):
+            if exc.status == 422 and plan.action == "patch":
+                again = await api.get(kind, namespace, name)
+                version = (again or {}).get("metadata", {}).get("resourceVersion")
+                if again is not None and version == _tested_version(plan.ops):
+                    raise InvalidChild(kind, name, exc.message) from exc
+            elif exc.status == 422:
+                raise InvalidChild(kind, name, exc.message) from exc
+            elif exc.status not in (404, 409):
                 raise
     raise ApplyConflict(f"{kind} {namespace}/{name}: still conflicting after {MAX_ATTEMPTS} attempts")
 

@@ -92,7 +92,9 @@ async def reconcile_run(api: KubeApi, rlrun: dict[str, Any], trigger: str, prune
         assume_absent: POST first without a GET (a brand-new run); a 409 falls back to GET + patch.
 
     Returns:
-        ReconcileResult; ``invalid`` set means nothing was written.
+        ReconcileResult; ``invalid`` set means the spec is invalid: nothing was written when validation
+        or rendering refused it; when the API server refused a rendered child (apply.InvalidChild), the
+        children before it in apply order may have been written.
 
     Raises:
         kubeapi.ApiError, apply.ApplyConflict: the API refused or kept conflicting (kopf retries).
@@ -109,7 +111,11 @@ async def reconcile_run(api: KubeApi, rlrun: dict[str, Any], trigger: str, prune
         except (RenderError, SizingError) as exc:
             return ReconcileResult(invalid=[str(exc)])
         suspended = bool(defaulted["spec"].get("suspend"))
-        outcomes = await apply.apply_children(api, manifests, suspended, assume_absent)
+        try:
+            outcomes = await apply.apply_children(api, manifests, suspended, assume_absent)
+        except apply.InvalidChild as exc:
+            return ReconcileResult(invalid=[f"{exc}; fix the RLRun field it is rendered from (spec.pod, "
+                                            f"spec.*.resources, spec.inference.vllmArgs, ...)"])
         for outcome in outcomes:
             if outcome.action != "none":
                 metrics.CHILD_WRITES.labels(outcome.action).inc()
