@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rlrun_runtime.loss import LossMetrics, policy_loss, token_logprobs
-from rlrun_runtime.packing import count_loss_tokens, get_micro_batch, get_micro_batches
-from rlrun_runtime.trainer import TrainerConfig, get_micro_batch_loss
+from rlrun_runtime.packing import count_loss_tokens, count_on_policy_tokens, get_micro_batch, get_micro_batches
+from rlrun_runtime.trainer import TrainerConfig, get_metrics_record, get_micro_batch_loss
 from tiny_qwen3 import VOCAB, make_model
 
 # One row: three in-band tokens, one token whose ratio exp(-3) = 0.0498 is below ratio_low 0.125, and a
@@ -39,6 +39,30 @@ def test_hand_computed_loss_and_gradient():
     assert metrics.masked_fraction == 0.25
     assert metrics.ratio_mean == pytest.approx((1 + 0.60653066 + 1 + 0.04978707) / 4, abs=1e-7)
     assert metrics.advantage_mean == pytest.approx(2.0)
+
+
+def test_hand_computed_on_policy_mismatch_kl():
+    # tokens 1 and 3 (k3 0.10653066 and 2.04978707) come from the held policy; the padding slot is never counted
+    on_policy = torch.tensor([[False, True, False, True, True]])
+    _, metrics = policy_loss(torch.tensor([LT]), torch.tensor([LI]), torch.full((1, 5), ADV), torch.tensor([MASK]),
+                             total_loss_tokens=4, on_policy_mask=on_policy, total_on_policy_tokens=2)
+    assert metrics.mismatch_kl_on_policy == pytest.approx((0.10653066 + 2.04978707) / 2, abs=1e-7)
+    assert metrics.on_policy_fraction == 0.5
+    assert metrics.mismatch_kl == pytest.approx((0.10653066 + 2.04978707) / 4, abs=1e-7)  # unchanged
+    _, none = policy_loss(torch.tensor([LT]), torch.tensor([LI]), torch.full((1, 5), ADV), torch.tensor([MASK]), 4)
+    assert (none.mismatch_kl_on_policy, none.on_policy_fraction) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="total_on_policy_tokens"):
+        policy_loss(torch.tensor([LT]), torch.tensor([LI]), torch.full((1, 5), ADV), torch.tensor([MASK]), 4,
+                    on_policy_mask=on_policy)
+
+
+def test_metrics_record_separates_on_policy_kl_and_is_null_without_on_policy_samples():
+    batch = {"samples": [{"reward": 1.0, "policy_version": 4}], "reward_mean": 1.0}
+    mixed = LossMetrics(mismatch_kl=0.03, mismatch_kl_on_policy=2e-5, on_policy_fraction=0.25)
+    record = get_metrics_record(6, batch, 0.0, mixed, 0.0, 1e-3, 10, 8, 0.0, 1.0, 0.0)
+    assert (record["mismatch_kl"], record["mismatch_kl_on_policy"], record["on_policy_fraction"]) == (0.03, 2e-5, 0.25)
+    stale = get_metrics_record(6, batch, 0.0, LossMetrics(mismatch_kl=0.03), 0.0, 1e-3, 10, 8, 0.0, 1.0, 0.0)
+    assert stale["mismatch_kl_on_policy"] is None and stale["on_policy_fraction"] == 0.0
 
 
 def test_hand_computed_kl_penalty():
@@ -75,6 +99,9 @@ def test_shape_mismatch_raises():
         policy_loss(torch.zeros(1, 3), torch.zeros(1, 3), torch.zeros(1, 2), torch.ones(1, 3, dtype=torch.bool), 3)
 
 
+ON_POLICY = 5  # the version the trainer holds in these examples; samples alternate 5, 4, 3, ...
+
+
 def _samples(count=7, seed=1):
     rng = random.Random(seed)
     out = []
@@ -85,7 +112,7 @@ def _samples(count=7, seed=1):
         # (every 4th token claims probability 0.99 at inference: ratio ~ 1/64 / 0.99, below ratio_low)
         lps = [-0.01 if j % 4 == 3 else -math.log(VOCAB) + rng.uniform(-0.5, 0.5) for j in range(len(completion))]
         out.append({"prompt_ids": prompt, "completion_ids": completion, "inference_logprobs": lps,
-                    "advantage": rng.uniform(-1, 1), "reward": 0.0})
+                    "advantage": rng.uniform(-1, 1), "reward": 0.0, "policy_version": ON_POLICY - i % 3})
     return out
 
 
@@ -94,11 +121,11 @@ CFG = TrainerConfig(max_steps=1, micro_batch_size=1, learning_rate=1e-3, weight_
                     kl_coef=0.05, checkpoint_interval=1, checkpoint_keep=1, dtype="float32", use_gpu=False)
 
 
-def _loss_and_grads(model, micro_batches, total):
+def _loss_and_grads(model, micro_batches, total, total_on_policy=0):
     model.zero_grad(set_to_none=True)
     loss_sum, metrics = 0.0, LossMetrics()
     for mb in micro_batches:
-        loss, m = get_micro_batch_loss(model, mb, total, CFG, torch.device("cpu"))
+        loss, m = get_micro_batch_loss(model, mb, total, CFG, torch.device("cpu"), total_on_policy)
         loss.backward()
         loss_sum += loss.item()
         metrics = metrics + m
@@ -109,24 +136,34 @@ def _loss_and_grads(model, micro_batches, total):
 def test_loss_and_gradients_invariant_to_micro_batching_padding_and_ranks():
     model = make_model(seed=3)
     samples = _samples()
-    total = count_loss_tokens(samples)
-    full_loss, full_metrics, full_grads = _loss_and_grads(model, [get_micro_batch(samples)], total)
+    total, total_on = count_loss_tokens(samples), count_on_policy_tokens(samples, ON_POLICY)
+    full_loss, full_metrics, full_grads = _loss_and_grads(
+        model, [get_micro_batch(samples, on_policy_version=ON_POLICY)], total, total_on)
     assert full_metrics.masked_fraction > 0  # the noisy example exercises the trust band
+    # the on-policy KL is the k3 mean over the on-policy samples alone: the same metric on a batch of only them
+    alone = [s for s in samples if s["policy_version"] == ON_POLICY]
+    assert 0 < total_on < total and full_metrics.on_policy_fraction == pytest.approx(total_on / total)
+    _, alone_metrics, _ = _loss_and_grads(model, [get_micro_batch(alone)], total_on)
+    assert full_metrics.mismatch_kl_on_policy == pytest.approx(alone_metrics.mismatch_kl, rel=1e-6)
+    assert full_metrics.mismatch_kl_on_policy != pytest.approx(full_metrics.mismatch_kl, rel=1e-2)
     assert any(g.abs().sum() > 0 for g in full_grads.values())
     splits = {
-        "mbs=1": get_micro_batches(samples, 1),
-        "mbs=3": get_micro_batches(samples, 3),
+        "mbs=1": get_micro_batches(samples, 1, on_policy_version=ON_POLICY),
+        "mbs=3": get_micro_batches(samples, 3, on_policy_version=ON_POLICY),
         # two data-parallel ranks, 2 samples per micro-batch, gradients summed over the ranks
-        "2 ranks": get_micro_batches(samples, 2, rank=0, world_size=2)
-        + get_micro_batches(samples, 2, rank=1, world_size=2),
+        "2 ranks": get_micro_batches(samples, 2, rank=0, world_size=2, on_policy_version=ON_POLICY)
+        + get_micro_batches(samples, 2, rank=1, world_size=2, on_policy_version=ON_POLICY),
         # extra padding: a 40-token dummy row of pure prompt widens every row of the micro-batch
         "padded": [get_micro_batch(samples + [{"prompt_ids": [5] * 40, "completion_ids": [],
-                                               "inference_logprobs": [], "advantage": 0.0}])],
+                                               "inference_logprobs": [], "advantage": 0.0,
+                                               "policy_version": ON_POLICY}], on_policy_version=ON_POLICY)],
     }
     for name, mbs in splits.items():
-        loss, metrics, grads = _loss_and_grads(model, mbs, total)
+        loss, metrics, grads = _loss_and_grads(model, mbs, total, total_on)
         assert loss == pytest.approx(full_loss, abs=1e-6), name
         assert metrics.mismatch_kl == pytest.approx(full_metrics.mismatch_kl, abs=1e-6), name
         assert metrics.masked_fraction == pytest.approx(full_metrics.masked_fraction, abs=1e-9), name
+        assert metrics.mismatch_kl_on_policy == pytest.approx(full_metrics.mismatch_kl_on_policy, abs=1e-6), name
+        assert metrics.on_policy_fraction == pytest.approx(full_metrics.on_policy_fraction, abs=1e-9), name
         for key, grad in grads.items():
             torch.testing.assert_close(grad, full_grads[key], atol=2e-6, rtol=1e-4, msg=f"{name}: {key}")

@@ -7,6 +7,7 @@ import torch
 from rlrun_runtime.loss import token_logprobs
 from rlrun_runtime.packing import (
     count_loss_tokens,
+    count_on_policy_tokens,
     get_micro_batch,
     get_micro_batches,
     num_micro_batches,
@@ -31,6 +32,17 @@ def test_alignment_and_mask_cover_completion_tokens_only():
     # every masked target is a completion token, and every completion token is masked exactly once
     assert mb.target_ids[mb.loss_mask].tolist() == [8, 9, 4, 10, 11, 12]
     assert mb.num_loss_tokens == count_loss_tokens([_sample([5, 6, 7], [8, 9]), _sample([3], [4, 10, 11, 12])])
+
+
+def test_on_policy_mask_marks_completion_tokens_of_the_held_version_only():
+    samples = [dict(_sample([5, 6, 7], [8, 9]), policy_version=3), dict(_sample([3], [4, 10, 11]), policy_version=2),
+               _sample([3], [4])]  # no policy_version: never on-policy
+    mb = get_micro_batch(samples, pad_id=0, on_policy_version=3)
+    assert mb.on_policy_mask.tolist() == [[False, False, True, True], [False] * 4, [False] * 4]
+    assert get_micro_batch(samples, on_policy_version=2).on_policy_mask.tolist()[1] == [True, True, True, False]
+    assert not get_micro_batch(samples).on_policy_mask.any()
+    assert [count_on_policy_tokens(samples, v) for v in (3, 2, 1, None)] == [2, 3, 0, 0]
+    assert not get_micro_batches(samples[:1], 1, rank=1, world_size=2)[0].on_policy_mask.any()  # empty filler
 
 
 def test_right_padding_is_outside_the_loss():

@@ -173,6 +173,9 @@ def test_trainer_publishes_checkpoints_and_resumes_after_sigkill(tmp_path):
         else:
             assert r["reward_mean"] == pytest.approx(0.5)
             assert 0 < r["mismatch_kl"] < 1 and r["num_tokens"] > 0
+            # every sample is stamped step - 1 (the weights the trainer holds): all of it is on-policy
+            assert r["on_policy_fraction"] == pytest.approx(1.0)
+            assert r["mismatch_kl_on_policy"] == pytest.approx(r["mismatch_kl"], rel=1e-6)
     # an empty batch still publishes a policy version (the weights of the step before)
     before, empty = (load_file(storage.weights(s) / "model.safetensors") for s in (EMPTY_STEP - 1, EMPTY_STEP))
     assert all(torch.equal(before[k], empty[k]) for k in before)

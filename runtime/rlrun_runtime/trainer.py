@@ -36,7 +36,7 @@ from rlrun_operator.validation import check_implemented
 
 from . import checkpoint as ckpt
 from .loss import LossMetrics, policy_loss, token_logprobs
-from .packing import MicroBatch, count_loss_tokens, get_micro_batches
+from .packing import MicroBatch, count_loss_tokens, count_on_policy_tokens, get_micro_batches
 from .storage import RunStorage, append_jsonl, atomic_directory
 
 # Files of a model directory that are weights (never copied from the initial model into weights/step-n).
@@ -128,8 +128,9 @@ def get_torch_dtype(name: str, model_config: Any = None) -> torch.dtype:
 
 
 def get_micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, total_loss_tokens: int, cfg: TrainerConfig,
-                         device: torch.device) -> tuple[torch.Tensor, LossMetrics]:
-    """Forward one micro-batch and return ``policy_loss`` (normalised by the step's ``total_loss_tokens``).
+                         device: torch.device, total_on_policy_tokens: int = 0) -> tuple[torch.Tensor, LossMetrics]:
+    """Forward one micro-batch and return ``policy_loss`` (normalised by the step's ``total_loss_tokens``;
+    ``mismatch_kl_on_policy`` by the step's ``total_on_policy_tokens``).
 
     Logprobs are ``log_softmax(logits / temperature)`` of the target tokens (matching vLLM's processed
     logprobs, docs/runtime-contract.md).
@@ -137,7 +138,8 @@ def get_micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, total_loss_toke
     logits = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device)).logits
     logprobs = token_logprobs(logits, mb.target_ids.to(device), cfg.temperature)
     return policy_loss(logprobs, mb.inference_logprobs.to(device), mb.advantages.to(device),
-                       mb.loss_mask.to(device), total_loss_tokens, cfg.ratio_low, cfg.ratio_high, cfg.kl_coef)
+                       mb.loss_mask.to(device), total_loss_tokens, cfg.ratio_low, cfg.ratio_high, cfg.kl_coef,
+                       mb.on_policy_mask.to(device), total_on_policy_tokens)
 
 
 def get_metrics_record(step: int, batch: dict[str, Any], loss: float, metrics: LossMetrics, grad_norm: float,
@@ -150,6 +152,11 @@ def get_metrics_record(step: int, batch: dict[str, Any], loss: float, metrics: L
     The batch file's other ``dropped_*`` counters are copied as they are. ``tokens_per_second`` counts real
     (non-padding) input tokens of all ranks over ``train_seconds`` (forward, backward and optimizer step;
     waiting and publishing excluded).
+
+    ``mismatch_kl`` is the k3 mean over every loss token (numerical mismatch plus off-policy drift);
+    ``mismatch_kl_on_policy`` the same over the tokens of samples with ``policy_version == step - 1`` only
+    (numerical mismatch; None when the step has no such sample), ``on_policy_fraction`` their share of the
+    loss tokens (docs/trainer.md).
     """
     samples = batch["samples"]
     rewards = [s["reward"] for s in samples if "reward" in s]
@@ -163,6 +170,8 @@ def get_metrics_record(step: int, batch: dict[str, Any], loss: float, metrics: L
         "reward_mean": reward_mean,
         "loss": loss,
         "mismatch_kl": metrics.mismatch_kl,
+        "mismatch_kl_on_policy": metrics.mismatch_kl_on_policy if metrics.on_policy_fraction > 0 else None,
+        "on_policy_fraction": metrics.on_policy_fraction,
         "masked_fraction": metrics.masked_fraction,
         "ratio_mean": metrics.ratio_mean,
         "grad_norm": grad_norm,
@@ -439,13 +448,16 @@ class Trainer:
             self.scheduler.step()
             return 0.0, LossMetrics(), 0.0, 0, 0, lr
         total = max(1, count_loss_tokens(samples))
-        micro_batches = get_micro_batches(samples, self.cfg.micro_batch_size, self.rank, self.world, self.pad_id)
+        # The weights this step's forward runs with are policy version step - 1.
+        total_on_policy = count_on_policy_tokens(samples, step - 1)
+        micro_batches = get_micro_batches(samples, self.cfg.micro_batch_size, self.rank, self.world, self.pad_id,
+                                          on_policy_version=step - 1)
         loss_sum = torch.zeros((), dtype=torch.float64)
         metrics = LossMetrics()
         num_tokens = 0
         for i, mb in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            loss, mb_metrics = get_micro_batch_loss(self.model, mb, total, self.cfg, self.device)
+            loss, mb_metrics = get_micro_batch_loss(self.model, mb, total, self.cfg, self.device, total_on_policy)
             # FSDP2 averages gradients over ranks; the loss is a sum over ranks, so undo the division.
             (loss * self.world).backward()
             loss_sum += loss.detach().double().cpu()
@@ -503,9 +515,14 @@ class Trainer:
 
     def _print(self, record: dict[str, Any]) -> None:
         print(f"trainer: step {record['step']}/{self.cfg.max_steps} loss {record['loss']:.4f} "
-              f"kl {record['mismatch_kl']:.2e} masked {record['masked_fraction']:.3f} "
+              f"kl {record['mismatch_kl']:.2e} on-policy kl {_format_optional(record['mismatch_kl_on_policy'])} "
+              f"masked {record['masked_fraction']:.3f} "
               f"grad {record['grad_norm']:.3f} tok/s {record['tokens_per_second'] or 0:.0f} "
               f"wait {record['wait_seconds']:.2f}s", flush=True)
+
+
+def _format_optional(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"
 
 
 def main(argv: list[str] | None = None) -> int:
