@@ -502,3 +502,41 @@ def test_patch_refused_by_the_api_server_is_invalid_spec_not_a_conflict() -> Non
                 assert len(children(emu, "ns1", "kappa")) == 14
 
     asyncio.run(scenario())
+
+
+def test_finished_run_gives_its_gpus_back_and_keeps_job_and_storage() -> None:
+    async def scenario() -> None:
+        async with serve_kubernetes() as (emu, url):
+            api = KubeApi(get_api_client(url))
+            async with run_operator(url, status_interval=INTERVAL):
+                await api.create(make_run("lam", "ns1", disaggregated=True))
+                await wait_for(lambda: run_status(emu, "ns1", "lam").get("phase") == "Initializing")
+                await api.merge_patch("Deployment", "ns1", "lam-decode", {"spec": {"replicas": 3}})
+                await play_ready(api, emu, "ns1", "lam")
+                await wait_for(lambda: run_status(emu, "ns1", "lam").get("phase") == "Running")
+                job_uid = one(emu, "Job", "ns1", "lam-orchestrator")["metadata"]["uid"]
+                await api.merge_patch("Job", "ns1", "lam-orchestrator", {"status": {
+                    "active": 0, "ready": 0, "succeeded": 1,
+                    "conditions": [{"type": "Complete", "status": "True"}]}}, subresource="status")
+                await wait_for(lambda: run_status(emu, "ns1", "lam").get("phase") == "Succeeded")
+                await wait_for(lambda: one(emu, "StatefulSet", "ns1", "lam-trainer")["spec"]["replicas"] == 0)
+                for name in ("lam-prefill", "lam-decode", "lam-router"):
+                    await wait_for(lambda name=name: one(emu, "Deployment", "ns1", name)["spec"]["replicas"] == 0)
+                decode = one(emu, "Deployment", "ns1", "lam-decode")
+                assert decode["metadata"]["annotations"][constants.ANNOTATION_REPLICAS_BEFORE_SUSPEND] == "3"
+                job = one(emu, "Job", "ns1", "lam-orchestrator")
+                assert job["metadata"]["uid"] == job_uid and job["spec"]["suspend"] is False
+                assert one(emu, "PersistentVolumeClaim", "ns1", "lam-storage")
+                assert one(emu, "ConfigMap", "ns1", "lam-config")
+                assert run_status(emu, "ns1", "lam")["phase"] == "Succeeded"
+                # Settled: the timer writes nothing more, and a restarted operator neither.
+                await asyncio.sleep(2 * INTERVAL)
+                before = len(emu.writes)
+                await asyncio.sleep(4 * INTERVAL)
+                assert emu.writes[before:] == []
+            async with run_operator(url, status_interval=INTERVAL):
+                await asyncio.sleep(6 * INTERVAL)
+            assert emu.writes[before:] == []
+            assert run_status(emu, "ns1", "lam")["phase"] == "Succeeded"
+
+    asyncio.run(scenario())

@@ -7,7 +7,9 @@ its own settings. Handlers:
 - create / update (spec only) / resume: reconcile the children, then write the status; update also prunes
   children the render no longer produces. A semantically invalid spec writes Ready=False reason InvalidSpec
   and one Warning Event, and creates nothing.
-- timer (every ``status_interval`` seconds): refresh the status from children and metrics; when a
+- timer (every ``status_interval`` seconds): refresh the status from children and metrics; when the
+  run has just finished (phase Succeeded/Failed), reconcile it as finished (every workload but the Job
+  scaled to 0: its GPUs are given back); when a
   workload of a live (not finished, valid) run is missing, reconcile it again (drift repair). kopf puts
   its finalizer (constants.FINALIZER) on served RLRuns because of it.
 - delete (optional, no finalizer of its own): forget the run's metric series.
@@ -32,7 +34,7 @@ from rlrun_operator.kubeapi import ApiError, KubeApi, load_api_client
 from rlrun_operator.observe import read_workloads
 from rlrun_operator.reconcile import (StatusChange, get_invalid, get_rlrun, get_workloads, plan_status,
                                       reconcile_run, refresh_run)
-from rlrun_operator.status import PHASE_FAILED, REASON_INVALID_SPEC
+from rlrun_operator.status import PHASE_FAILED, REASON_INVALID_SPEC, TERMINAL_PHASES
 
 RESOURCE = (constants.GROUP, constants.VERSION, constants.PLURAL)
 RETRY_DELAY_S = 5.0
@@ -116,11 +118,13 @@ def get_registry(status_interval: float = constants.OPERATOR_STATUS_INTERVAL_S,
         if http is not None:
             await http.close()
 
-    async def reconcile(body: Any, memo: kopf.Memo, trigger: str, prune: bool, assume_absent: bool) -> None:
+    async def reconcile(body: Any, memo: kopf.Memo, trigger: str, prune: bool, assume_absent: bool,
+                        finished: bool | None = None) -> None:
         rlrun = get_rlrun(body)
         meta = rlrun["metadata"]
         try:
-            result = await reconcile_run(memo.api, rlrun, trigger, prune=prune, assume_absent=assume_absent)
+            result = await reconcile_run(memo.api, rlrun, trigger, prune=prune, assume_absent=assume_absent,
+                                         finished=finished)
             if result.invalid:
                 workloads = await read_workloads(memo.api, meta["namespace"], meta["name"])
             else:
@@ -175,7 +179,10 @@ def get_registry(status_interval: float = constants.OPERATOR_STATUS_INTERVAL_S,
             await publish_status(memo, meta["namespace"], meta["name"], compute_and_keep)
         except ApiError as exc:
             raise kopf.TemporaryError(f"status refresh failed: {exc}", delay=RETRY_DELAY_S) from exc
-        if seen and seen[-1][1].missing and seen[-1][0].get("metadata", {}).get("generation") == \
+        if seen and seen[-1][1].new_phase in TERMINAL_PHASES and seen[-1][1].old_phase not in TERMINAL_PHASES:
+            # The orchestrator Job just finished: give the GPUs back (every workload but the Job to 0).
+            await reconcile(seen[-1][0], memo, "finish", prune=False, assume_absent=False, finished=True)
+        elif seen and seen[-1][1].missing and seen[-1][0].get("metadata", {}).get("generation") == \
                 getattr(memo, "reconciled_generation", None):
             # Drift: a workload of a live run was deleted behind our back (and no spec change is pending,
             # which the update handler would apply); converge every child of the fresh object again.

@@ -82,12 +82,28 @@ def get_invalid(rlrun: dict[str, Any]) -> list[str]:
     return [f"{e.path}: {e.message}" for e in validate(subject)]
 
 
+def is_finished(rlrun: dict[str, Any]) -> bool:
+    """True when the run's status.phase is Succeeded or Failed (its orchestrator Job finished)."""
+    return (rlrun.get("status") or {}).get("phase") in status.TERMINAL_PHASES
+
+
+def get_finished_manifests(manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What a finished run keeps applying: everything but the orchestrator Job (a finished Job is left
+    as it is: never suspended, patched nor replaced). ``manifests`` must be rendered with spec.suspend
+    true, so every other workload is at 0 replicas."""
+    return [m for m in manifests if m["kind"] != "Job"]
+
+
 async def reconcile_run(api: KubeApi, rlrun: dict[str, Any], trigger: str, prune: bool = False,
-                        assume_absent: bool = False) -> ReconcileResult:
+                        assume_absent: bool = False, finished: bool | None = None) -> ReconcileResult:
     """Validate, render and converge every child of ``rlrun`` (a plain RLRun with metadata.uid).
 
+    A finished run (``finished``; None: ``is_finished(rlrun)``) gives its GPUs back: its children are
+    applied as if spec.suspend were true (trainer, inference pools and router at 0 replicas; the live pool
+    sizes saved for a later resume), while the finished Job, the ConfigMap and the PVC are kept.
+
     Args:
-        trigger: create | update | resume | drift (a metrics label).
+        trigger: create | update | resume | drift | finish (a metrics label).
         prune: also delete children the render no longer produces (on spec updates).
         assume_absent: POST first without a GET (a brand-new run); a 409 falls back to GET + patch.
 
@@ -106,16 +122,25 @@ async def reconcile_run(api: KubeApi, rlrun: dict[str, Any], trigger: str, prune
         if invalid:
             return ReconcileResult(invalid=invalid)
         defaulted = get_defaulted(rlrun)
+        finished = is_finished(rlrun) if finished is None else finished
+        if finished:
+            defaulted["spec"]["suspend"] = True
         try:
             manifests = render(defaulted)
         except (RenderError, SizingError) as exc:
             return ReconcileResult(invalid=[str(exc)])
         suspended = bool(defaulted["spec"].get("suspend"))
+        applied = get_finished_manifests(manifests) if finished else manifests
         try:
-            outcomes = await apply.apply_children(api, manifests, suspended, assume_absent)
+            outcomes = await apply.apply_children(api, applied, suspended, assume_absent)
         except apply.InvalidChild as exc:
             return ReconcileResult(invalid=[f"{exc}; fix the RLRun field it is rendered from (spec.pod, "
                                             f"spec.*.resources, spec.inference.vllmArgs, ...)"])
+        for kept in manifests if finished else []:
+            if kept["kind"] == "Job":  # read, so the status still sees the finished Job
+                live = await api.get("Job", kept["metadata"]["namespace"], kept["metadata"]["name"])
+                if live is not None:
+                    outcomes.append(apply.Outcome("Job", kept["metadata"]["name"], "none", live))
         for outcome in outcomes:
             if outcome.action != "none":
                 metrics.CHILD_WRITES.labels(outcome.action).inc()
