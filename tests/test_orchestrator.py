@@ -398,8 +398,8 @@ class FakeEngineHandler(http.server.BaseHTTPRequestHandler):
 def fake_engines():
     servers = []
 
-    def start(version: str = "default"):
-        handler = type("Engine", (FakeEngineHandler,), {"version": version, "calls": []})
+    def start(version: str = "default", base: type = FakeEngineHandler):
+        handler = type("Engine", (base,), {"version": version, "calls": []})
         server = http.server.ThreadingHTTPServer((LOOPBACK, 0), handler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
@@ -518,3 +518,50 @@ def test_a_group_is_one_request_with_n_choices_unless_disaggregated(tmp_path, fa
     assert sorted(c.token_ids[0] for c in group.completions) == [seed, seed + 1, seed + 2, seed + 3]
     assert (group.task_index, group.policy_version, group.prompt_ids) == (3, 7, [97, 32, 98])
     assert len(group.rewards) == 4
+
+
+class SlowReloadEngine(FakeEngineHandler):
+    """A stand-in engine whose reload takes RELOAD_S: the pause -> resume window stays open that long."""
+
+    RELOAD_S = 0.6
+
+    def do_POST(self):  # noqa: N802
+        if self.path == "/collective_rpc":
+            time.sleep(self.RELOAD_S)
+        super().do_POST()
+
+
+def test_no_request_is_stamped_with_the_old_version_during_a_weight_update(tmp_path, fake_engines):
+    """A group started while an update is in flight waits for it, then carries the new version's stamp."""
+    from rlrun_operator.spec import apply_defaults
+    from rlrun_runtime.orchestrator import Orchestrator
+    from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
+
+    engine, address = fake_engines(base=SlowReloadEngine)
+    storage = RunStorage(tmp_path)
+    orchestrator = Orchestrator(apply_defaults(tiny_rlrun(rolloutsPerPrompt=2))["spec"], storage, StandInEnv(),
+                                StandInTokenizer(), [address], None, OrchestratorMetrics(max_steps=5))
+
+    async def scenario():
+        try:
+            await orchestrator.sync_weights_once()  # names the initial model version 0
+            before = await orchestrator.generate_group(0, [f"http://{address}"])  # no update: not held back
+            publish(storage, 1)
+            update = asyncio.create_task(orchestrator.sync_weights_once())
+            while "/pause?mode=keep" not in paths(engine):
+                await asyncio.sleep(0.005)
+            during = await orchestrator.generate_group(1, [f"http://{address}"])
+            await update
+            return before, during
+        finally:
+            await orchestrator._http().aclose()
+
+    before, during = asyncio.run(scenario())
+    order = paths(engine)
+    completions = [i for i, path in enumerate(order) if path == "/v1/completions"]
+    assert before.policy_version == 0 and completions[0] < order.index("/pause?mode=keep")
+    # the request of the group started during the update reached the engine only after resume, stamped 1
+    assert completions[1] > order.index("/resume"), order
+    assert during.policy_version == 1
+    assert [body["cache_salt"] for path, body in engine.calls if path == "/v1/completions"] == ["policy-0",
+                                                                                                  "policy-1"]

@@ -136,6 +136,10 @@ class Orchestrator:
         self.choices_per_request = 1 if disaggregated else self.group_size
         self.loaded_version = -1            # version every engine has loaded; -1 until the first check
         self.version_changed = asyncio.Event()
+        # Open (set) except while a weight update is in flight: a new request reads loaded_version only
+        # when it is open, so its cache_salt and policy_version name the weights it will run on.
+        self.weights_stable = asyncio.Event()
+        self.weights_stable.set()
         self.leftover: list[Group] = []
         self.seed_rng = random.Random(int(spec["environment"].get("seed", 0)))
         self._round_robin = itertools.count()
@@ -198,7 +202,16 @@ class Orchestrator:
         return steps[-1] if steps else 0
 
     async def sync_weights_once(self) -> bool:
-        """One check: bring every engine to the newest published version. True when all report it."""
+        """One check: bring every engine to the newest published version. True when all report it.
+
+        While weights are being pushed, ``weights_stable`` is cleared: new generation requests wait for it
+        before they read ``loaded_version`` (see :meth:`generate_group`), so none is stamped with the old
+        version (``cache_salt = policy-<old>``) and then queued behind the pause to run on the new weights,
+        where it could reuse old-weight KV blocks under the old salt when ``reset_prefix_cache`` was refused.
+        Requests already in flight keep their stamp (pause ``keep``: they finish on the new weights; the
+        importance ratio corrects for it). The gate reopens once ``loaded_version`` names the new version; a
+        failed update leaves it closed until a later check succeeds (the engines' weights are then unknown).
+        """
         target = max(self.newest_published(), self.loaded_version)
         self.metrics.step.set(self.newest_published())
         engines = resolve_engines(self.endpoints)
@@ -217,6 +230,7 @@ class Orchestrator:
                         await admin.update_weight_version(0)
             else:
                 path = self.storage.weights(target)
+                self.weights_stable.clear()
                 self.metrics.weight_update_in_flight.set(1)
                 try:
                     updates = await update_engines(behind, target, str(path))
@@ -238,6 +252,7 @@ class Orchestrator:
             self.metrics.policy_version.set(target)
             self.version_changed.set()
             self.delete_old_weights(target)
+        self.weights_stable.set()
         return True
 
     @property
@@ -350,7 +365,8 @@ class Orchestrator:
 
         One completions request with ``n = rolloutsPerPrompt`` and seed s; with prefill/decode
         disaggregation, ``rolloutsPerPrompt`` requests with ``n: 1`` and seeds s + i (the same samples:
-        vLLM gives choice i the seed s + i). Returns None when the prompt leaves no room for a completion within maxModelLen.
+        vLLM gives choice i the seed s + i). The group is stamped with ``loaded_version`` read once no weight
+        update is in flight (``weights_stable``). Returns None when the prompt leaves no room for a completion within maxModelLen.
         """
         task = self.env.task(task_index)
         prompt_ids, prompt_text = render_prompt(self.tokenizer, task.prompt)
@@ -359,6 +375,9 @@ class Orchestrator:
             log.warning("task %d: prompt of %d tokens leaves no room under maxModelLen %d; skipped",
                         task_index, len(prompt_ids), self.max_model_len)
             return None
+        # Never stamp a new request while a weight update is in flight (sync_weights_once): it would carry
+        # the old version but run on the new weights. Nothing else is waited for: generation overlaps training.
+        await self.weights_stable.wait()
         version = self.loaded_version
         # One request with n = rolloutsPerPrompt (vLLM samples choice i with seed + i) instead of n HTTP
         # requests; n requests of n: 1 with seeds seed + i when disaggregated: the same samples either way.
