@@ -444,6 +444,14 @@ def test_deleted_workload_is_recreated_by_the_status_timer() -> None:
                 assert new["metadata"]["uid"] != old_uid
                 assert new["metadata"]["ownerReferences"][0]["name"] == "theta"
                 assert len(children(emu, "ns1", "theta")) == 14
+                # Not only workloads: a deleted NetworkPolicy (vLLM's weight endpoints open) and a Service.
+                for kind, name in (("NetworkPolicy", "theta-inference"), ("Service", "theta-router")):
+                    old_uid = one(emu, kind, "ns1", name)["metadata"]["uid"]
+                    await api.delete(kind, "ns1", name)
+                    await wait_for(lambda kind=kind, name=name: [
+                        o for o in emu.find(kind, "ns1") if o["metadata"]["name"] == name])
+                    assert one(emu, kind, "ns1", name)["metadata"]["uid"] != old_uid
+                assert len(children(emu, "ns1", "theta")) == 14
 
     asyncio.run(scenario())
 

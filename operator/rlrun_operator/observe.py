@@ -74,11 +74,22 @@ def get_pod_targets(pods: list[dict[str, Any]]) -> tuple[str | None, dict[str, l
     return orchestrator, pools
 
 
+# The run's other child kinds (what the drift check lists besides the workloads).
+OTHER_CHILD_KINDS = ("ConfigMap", "PersistentVolumeClaim", "ServiceAccount", "Role", "RoleBinding", "Service",
+                     "NetworkPolicy")
+
+
+async def read_children(api: KubeApi, namespace: str, name: str,
+                        kinds: tuple[str, ...] = OTHER_CHILD_KINDS) -> list[dict[str, Any]]:
+    """The run's objects of ``kinds`` (``kind`` filled in), by label selector, one list call per kind."""
+    labels = get_run_labels(name)
+    lists = await asyncio.gather(*(api.list(kind, namespace, labels) for kind in kinds))
+    return [{**obj, "kind": obj.get("kind") or kind} for kind, items in zip(kinds, lists) for obj in items]
+
+
 async def read_workloads(api: KubeApi, namespace: str, name: str) -> list[dict[str, Any]]:
     """The run's StatefulSets, Deployments and Jobs (``kind`` filled in), by label selector."""
-    labels = get_run_labels(name)
-    lists = await asyncio.gather(*(api.list(kind, namespace, labels) for kind in WORKLOAD_KINDS))
-    return [{**obj, "kind": obj.get("kind") or kind} for kind, items in zip(WORKLOAD_KINDS, lists) for obj in items]
+    return await read_children(api, namespace, name, WORKLOAD_KINDS)
 
 
 async def read_pods(api: KubeApi, namespace: str, name: str) -> list[dict[str, Any]]:

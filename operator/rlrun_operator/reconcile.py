@@ -162,10 +162,31 @@ def get_workloads(result: ReconcileResult) -> list[dict[str, Any]]:
             if o.kind in observe.WORKLOAD_KINDS]
 
 
+_EXPECTED: dict[tuple[str, int], frozenset[tuple[str, str]]] = {}
+
+
+def get_expected_children(rlrun: dict[str, Any]) -> frozenset[tuple[str, str]]:
+    """(kind, name) of every child the render produces for ``rlrun`` (empty when it does not render),
+    memoised per (metadata.uid, metadata.generation) like get_defaulted."""
+    meta = rlrun.get("metadata") or {}
+    key = (meta.get("uid"), meta.get("generation"))
+    found = _EXPECTED.get(key) if None not in key else None
+    if found is None:
+        try:
+            found = frozenset((m["kind"], m["metadata"]["name"]) for m in render(get_defaulted(rlrun)))
+        except (RenderError, SizingError, KeyError, TypeError, ValueError):
+            found = frozenset()
+        if None not in key:
+            if len(_EXPECTED) >= _DEFAULTED_SPECS_MAX:
+                _EXPECTED.clear()
+            _EXPECTED[key] = found
+    return found
+
+
 @dataclass(frozen=True)
 class StatusChange:
-    """A status merge patch (empty: no write), the phase transition it makes, if any, and the roles whose
-    workload is missing although the run should have it (drift: recreate them)."""
+    """A status merge patch (empty: no write), the phase transition it makes, if any, and the rendered
+    children ("Kind/name") missing although the live run should have them (drift: recreate them)."""
 
     patch: dict[str, Any]
     old_phase: str | None
@@ -175,28 +196,36 @@ class StatusChange:
 
 def plan_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress: status.Progress | None,
                 reconciled_generation: int | None, invalid: list[str], now: Callable[[], str] = get_now,
-                ) -> StatusChange:
+                others: list[dict[str, Any]] | None = None) -> StatusChange:
     """Wanted status vs the current one (pure apart from the clock, which only matters when something
-    changed)."""
+    changed). ``others``: the run's non-workload children as listed (observe.read_children); when given,
+    the drift check covers every rendered (kind, name), else only the workloads."""
     defaulted = get_defaulted(rlrun)
     wanted = status.get_status(defaulted, workloads, progress, now(), reconciled_generation, invalid)
     old = rlrun.get("status") or {}
     drifted = bool(workloads) and not invalid and wanted["phase"] not in status.TERMINAL_PHASES
-    missing = tuple(status.get_missing_roles(defaulted, workloads)) if drifted else ()
+    missing: tuple[str, ...] = ()
+    if drifted:
+        present = {(o.get("kind"), o.get("metadata", {}).get("name")) for o in [*workloads, *(others or [])]}
+        checked = set(observe.WORKLOAD_KINDS) | (set(observe.OTHER_CHILD_KINDS) if others is not None else set())
+        missing = tuple(f"{kind}/{name}" for kind, name in sorted(get_expected_children(rlrun))
+                        if kind in checked and (kind, name) not in present)
     return StatusChange(status.get_status_patch(old, wanted), old.get("phase"), wanted["phase"], missing)
 
 
 async def refresh_run(api: KubeApi, session: aiohttp.ClientSession, rlrun: dict[str, Any],
                       reconciled_generation: int | None, invalid: list[str]) -> StatusChange:
-    """Read the run's workloads and pods, scrape its orchestrator and inference pods, re-export the
-    scraped values as operator metrics, and return the status change (empty when nothing changed)."""
+    """Read the run's workloads, pods and other children, scrape its orchestrator and inference pods,
+    re-export the scraped values as operator metrics, and return the status change (empty when nothing
+    changed) with the rendered children that are missing."""
     meta = rlrun["metadata"]
     try:
         workloads = await observe.read_workloads(api, meta["namespace"], meta["name"])
         pods = await observe.read_pods(api, meta["namespace"], meta["name"])
+        others = await observe.read_children(api, meta["namespace"], meta["name"])
     except Exception:
         metrics.RECONCILE_ERRORS.labels("refresh").inc()
         raise
     progress, depth = await observe.read_progress(session, pods)
     metrics.set_run_progress(meta["namespace"], meta["name"], progress, depth)
-    return plan_status(rlrun, workloads, progress, reconciled_generation, invalid)
+    return plan_status(rlrun, workloads, progress, reconciled_generation, invalid, others=others)
