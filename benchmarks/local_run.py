@@ -121,7 +121,7 @@ def get_figures(records: Sequence[Mapping[str, Any]], batches: Mapping[int, Mapp
 
 def get_target_lines(figures: Mapping[str, Any]) -> list[str]:
     """One 'met'/'MISSED' line per target of the issue (pure)."""
-    idle = figures["trainer_idle_fraction"]
+    idle = max(0.0, figures["trainer_idle_fraction"])  # never "-0.0 %"
     p99 = figures["pause_resume_ms_p99"]
     lines = [f"target trainer idle <= {TRAINER_IDLE_TARGET:.0%} (steady state): "
              f"{'met' if idle <= TRAINER_IDLE_TARGET else 'MISSED'} ({idle:.1%})"]
@@ -137,7 +137,9 @@ def render_report(figures: Mapping[str, Any], total_wall_s: float | None, machin
     """The printed report (pure)."""
     def f(key: str, fmt: str, scale: float = 1.0) -> str:
         value = figures.get(key)
-        return "n/a" if value is None else format(value * scale, fmt)
+        # Every figure is a duration, rate or fraction (>= 0): clamping at 0 prints 0.0, never "-0.0", for
+        # a zero over a negative-signed zero or a rounding residue.
+        return "n/a" if value is None else format(max(0.0, value * scale), fmt)
 
     lines = [
         f"machine: {machine['nproc']} cores, {machine['cpu']}, load {machine['load_before']} before / "

@@ -117,7 +117,7 @@ def get_completion_request(prompt_ids: Sequence[int], sampling: Mapping[str, Any
 def parse_completion_choice(choice: Mapping[str, Any]) -> Completion | None:
     """A :class:`Completion` from one choice of a completions response, or None when it is broken.
 
-    Broken: no generated token, missing/None/NaN/infinite logprob, or as many logprobs as token ids.
+    Broken: no generated token, missing/None/NaN/infinite logprob, or not as many logprobs as token ids.
 
     Raises:
         ValueError: the choice has no ``token_ids`` at all (the server ignored ``return_token_ids``;
