@@ -223,6 +223,7 @@ def test_vllm_args_change_rolls_inference_only_and_keeps_live_replicas() -> None
                 # Someone (an autoscaler) scales decode to 3.
                 await api.merge_patch("Deployment", "ns1", "gamma-decode", {"spec": {"replicas": 3}})
                 trainer_before = one(emu, "StatefulSet", "ns1", "gamma-trainer")
+                job_before = one(emu, "Job", "ns1", "gamma-orchestrator")
                 hashes = {n: one(emu, "Deployment", "ns1", f"gamma-{n}")["spec"]["template"]["metadata"]
                           ["annotations"][constants.ANNOTATION_CONFIG_HASH] for n in ("prefill", "decode")}
                 writes_before = len(emu.writes)
@@ -236,6 +237,8 @@ def test_vllm_args_change_rolls_inference_only_and_keeps_live_replicas() -> None
                 assert one(emu, "Deployment", "ns1", "gamma-decode")["spec"]["replicas"] == 3
                 assert one(emu, "Deployment", "ns1", "gamma-prefill")["spec"]["replicas"] == 1
                 assert one(emu, "StatefulSet", "ns1", "gamma-trainer") == trainer_before
+                # The orchestrator does not read vllmArgs: its Job is neither replaced nor patched.
+                assert one(emu, "Job", "ns1", "gamma-orchestrator") == job_before
                 patched = {(w.kind, w.name) for w in emu.writes[writes_before:] if w.method == "PATCH"
                            and w.kind in CHILD_KINDS}
                 assert patched == {("ConfigMap", "gamma-config"), ("Deployment", "gamma-prefill"),

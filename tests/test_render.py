@@ -552,10 +552,16 @@ def test_config_hash_follows_exactly_the_fields_each_role_reads():
         after = hashes(render(apply_defaults(variant("complete", **patch))))  # nccl: valid, not implemented
         return {name.removeprefix("qwen3-4b-math-") for name in base if after[name] != base[name]}
 
-    assert changed(**{"inference.vllmArgs": ["--gpu-memory-utilization", "0.8"]}) == {
-        "prefill", "decode", "orchestrator"}
+    # The orchestrator (a Job, replaced when its hash changes) does not read vLLM's or the router's settings.
+    assert changed(**{"inference.vllmArgs": ["--gpu-memory-utilization", "0.8"]}) == {"prefill", "decode"}
+    assert changed(**{"inference.tensorParallel": 2, "inference.gpusPerReplica": 2}) == {"prefill", "decode"}
     assert changed(**{"algorithm.learningRate": 0.00001}) == {"trainer", "orchestrator"}
-    assert changed(**{"router.policy": "round_robin"}) == {"router", "orchestrator"}
+    assert changed(**{"router.policy": "round_robin"}) == {"router"}
+    assert changed(**{"router.args": ["--log-level", "debug"]}) == {"router"}
+    spec = defaulted(VARIANTS["complete"])["spec"]
+    plain = copy.deepcopy(spec)
+    plain["inference"]["disaggregation"]["enabled"] = False  # the orchestrator's request shape depends on it
+    assert get_config_hash(plain, "orchestrator") != get_config_hash(spec, "orchestrator")
     assert changed(**{"algorithm.sampling.temperature": 0.7}) == {"trainer", "orchestrator"}
     assert changed(**{"environment.seed": 7}) == {"orchestrator"}
     assert changed(**{"weightSync.transport": "nccl"}) == {"trainer", "prefill", "decode", "orchestrator"}

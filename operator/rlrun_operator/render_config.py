@@ -36,6 +36,15 @@ _RESOURCES: tuple[FieldPath, ...] = (
     ("router", "resources"),
     ("orchestrator", "resources"),
 )
+# Fields only the inference and router roles read (the vLLM and vllm-router command lines).
+_INFERENCE_ONLY: tuple[FieldPath, ...] = (
+    ("inference", "vllmArgs"),
+    ("inference", "gpusPerReplica"),
+    ("inference", "tensorParallel"),
+    ("inference", "dataParallel"),
+    ("inference", "disaggregation", "kvConnector"),
+    ("router",),
+)
 
 # role -> (spec paths the role reads, paths removed from them again). A path () is the whole spec.
 CONFIG_HASH_VIEWS: dict[str, tuple[tuple[FieldPath, ...], tuple[FieldPath, ...]]] = {
@@ -59,12 +68,16 @@ CONFIG_HASH_VIEWS: dict[str, tuple[tuple[FieldPath, ...], tuple[FieldPath, ...]]
         (("trainer", "resources"),),
     ),
     # The orchestrator reads nearly everything; it is a Job, whose pod template is immutable, so the
-    # operator recreates the Job when this hash changes (it resumes from orchestrator/state.json).
+    # operator recreates the Job when this hash changes (it resumes from orchestrator/state.json). Of the
+    # inference section it reads only disaggregation.enabled (the request shape, rlrun_runtime.orchestrator);
+    # the vLLM command line and the router's configuration are other roles' business, so changing them
+    # rolls those pods without replacing the orchestrator.
     c.COMPONENT_ORCHESTRATOR: (
         ((),),
         (("autoscaling",), ("pod",), ("suspend",), ("image",), ("imagePullPolicy",), ("imagePullSecrets",))
         + _REPLICA_SEEDS
-        + _RESOURCES,
+        + _RESOURCES
+        + _INFERENCE_ONLY,
     ),
 }
 # Prefill and decode pods run the inference role.
