@@ -565,3 +565,35 @@ def test_no_request_is_stamped_with_the_old_version_during_a_weight_update(tmp_p
     assert during.policy_version == 1
     assert [body["cache_salt"] for path, body in engine.calls if path == "/v1/completions"] == ["policy-0",
                                                                                                   "policy-1"]
+
+
+def test_published_versions_going_down_keep_the_loaded_version_until_it_is_republished(tmp_path, fake_engines):
+    """A trainer resumed from checkpoint 1 while version 3 is loaded (docs/orchestrator.md, after a resume)."""
+    from rlrun_operator.spec import apply_defaults
+    from rlrun_runtime.orchestrator import Orchestrator
+    from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
+
+    storage = RunStorage(tmp_path)
+    engine, address = fake_engines()
+    orchestrator = Orchestrator(apply_defaults(tiny_rlrun())["spec"], storage, None, None, [address], None,
+                                OrchestratorMetrics(max_steps=5))
+    publish(storage, 3)
+    asyncio.run(orchestrator.sync_weights_once())
+    assert orchestrator.loaded_version == 3 and engine.version == "3"
+
+    # the resumed trainer re-publishes 2 (older than the loaded 3): the engines keep serving 3, stamped 3
+    engine.calls.clear()
+    publish(storage, 2)
+    asyncio.run(orchestrator.sync_weights_once())
+    assert paths(engine) == [] and orchestrator.loaded_version == 3
+
+    # if the loaded version's directory disappears, the update is refused before any engine is paused
+    shutil.rmtree(storage.weights(3))
+    with pytest.raises(ValueError, match="not a directory"):
+        asyncio.run(orchestrator.sync_weights_once())
+    assert "/pause?mode=keep" not in paths(engine) and orchestrator.loaded_version == 3
+
+    # once the trainer re-publishes 3, every engine reloads it and generation reopens
+    publish(storage, 3)
+    asyncio.run(orchestrator.sync_weights_once())
+    assert "/collective_rpc" in paths(engine) and orchestrator.weights_stable.is_set()
