@@ -13,6 +13,9 @@ in-memory object store served over HTTP. What it lacks and this layer adds, the 
 - ``labelSelector`` on lists (equality, ``!=``, ``in``/``notin``, existence, ``!key``);
 - ownerReference garbage collection: when an object is gone, its dependents (by ownerReferences.uid) are
   deleted in the background, recursively (finalizers honoured: they only get a deletionTimestamp);
+- foreground cascading deletion (DELETE with ``propagationPolicy: Foreground``): an object with live
+  dependents gets the ``foregroundDeletion`` finalizer and a deletionTimestamp, so it stays (a create of
+  the same name answers 409) until its dependents are gone, then it is deleted;
 - with ``check_kinds`` (``serve_kubernetes``'s default): the API server's validation of the built-in kinds a
   run owns (CHECKED_KINDS), emulated with kubernetes-validate (strict, the pinned KUBE_VERSION schemas) on
   create and on every patch of the main resource: an invalid object answers 422 Invalid, as
@@ -53,6 +56,7 @@ KIND_BY_RESOURCE = {(info.api_version, info.plural): kind for kind, info in KIND
 CHECKED_KINDS = {"ConfigMap", "PersistentVolumeClaim", "ServiceAccount", "Role", "RoleBinding", "Service",
                  "NetworkPolicy", "StatefulSet", "Deployment", "Job"}
 KUBE_VERSION = "1.37"  # the newest schemas kubernetes-validate 1.37.0 ships
+FOREGROUND_FINALIZER = "foregroundDeletion"  # what kube-apiserver puts on an object in foreground deletion
 
 
 @dataclass(frozen=True)
@@ -212,12 +216,50 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             gone_uid = None
             if key in self.objects and not self.objects[key].deleted:
                 gone_uid = self.objects[key].raw.get("metadata", {}).get("uid")
+            foreground = (request.action == enums.action.DELETE and gone_uid is not None
+                          and isinstance(request.data, dict)
+                          and request.data.get("propagationPolicy") == "Foreground"
+                          and not self.objects[key].raw.get("metadata", {}).get("deletionTimestamp")
+                          and self._has_dependents(gone_uid))
+            if foreground:
+                meta = self.objects[key].raw.get("metadata", {})
+                self.objects[key].patch({"metadata": {
+                    "finalizers": [*(meta.get("finalizers") or []), FOREGROUND_FINALIZER],
+                    "resourceVersion": self._next_revision()}})
             response = await super()._handle(request)
             self.writes.append(Write(request.method.value, kind, request.namespace, request.name,
                                      request.subresource, response.status, sent))
-            if gone_uid and (key not in self.objects or self.objects[key].deleted):
+            if foreground:
                 await self._collect_garbage(gone_uid)
+            elif gone_uid and (key not in self.objects or self.objects[key].deleted):
+                await self._collect_garbage(gone_uid)
+            await self._finish_foreground()
             return response
+
+    def _has_dependents(self, owner_uid: str) -> bool:
+        return any(not obj.deleted and any(ref.get("uid") == owner_uid
+                                           for ref in obj.raw.get("metadata", {}).get("ownerReferences") or [])
+                   for obj in list(self.objects.values()))
+
+    async def _finish_foreground(self) -> None:
+        """Delete the objects in foreground deletion whose dependents are all gone (then collect theirs)."""
+        done: list[str] = []
+        async with self._lock:
+            for (resource, _, _), obj in list(self.objects.items()):
+                meta = {} if obj.deleted else (obj.raw.get("metadata") or {})
+                if FOREGROUND_FINALIZER not in (meta.get("finalizers") or []) or self._has_dependents(meta["uid"]):
+                    continue
+                rest = [f for f in meta["finalizers"] if f != FOREGROUND_FINALIZER]
+                if rest:
+                    obj.patch({"metadata": {"finalizers": rest, "resourceVersion": self._next_revision()}})
+                    await self._buses[resource].put({"type": "MODIFIED", "object": obj.raw})
+                    continue
+                raw = obj.raw
+                obj.delete()
+                await self._buses[resource].put({"type": "DELETED", "object": raw})
+                done.append(meta["uid"])
+        for uid in done:
+            await self._collect_garbage(uid)
 
     def _prepare_create(self, request: kmock.Request, kind: str) -> None:
         body = request.data

@@ -551,3 +551,44 @@ def test_finished_run_gives_its_gpus_back_and_keeps_job_and_storage() -> None:
             assert run_status(emu, "ns1", "lam")["phase"] == "Succeeded"
 
     asyncio.run(scenario())
+
+
+def test_replaced_orchestrator_job_waits_for_the_old_pod() -> None:
+    """A spec change the orchestrator reads replaces its Job (immutable pod template). The old Job is
+    deleted in the foreground, so the new one is only created once the old pod is gone: never two
+    orchestrators at once. The test plays the Job controller and the kubelet: the old pod carries a
+    finalizer until the test releases it."""
+    async def scenario() -> None:
+        async with serve_kubernetes() as (emu, url):
+            api = KubeApi(get_api_client(url))
+            async with run_operator(url, status_interval=INTERVAL):
+                await api.create(make_run("mu", "ns1"))
+                await wait_for(lambda: run_status(emu, "ns1", "mu").get("phase") == "Initializing")
+                old_job = one(emu, "Job", "ns1", "mu-orchestrator")
+                await api.create({
+                    "apiVersion": "v1", "kind": "Pod",
+                    "metadata": {"name": "mu-orchestrator-abcde", "namespace": "ns1",
+                                 "finalizers": ["test.rlrun.dev/still-running"],
+                                 "labels": {constants.LABEL_INSTANCE: "mu",
+                                            constants.LABEL_COMPONENT: constants.COMPONENT_ORCHESTRATOR},
+                                 "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": "mu-orchestrator",
+                                                      "uid": old_job["metadata"]["uid"], "controller": True}]},
+                    "spec": {"containers": [{"name": "main", "image": "runtime"}]}})
+                await api.merge_patch(constants.KIND, "ns1", "mu", {"spec": {"algorithm": {"maxSteps": 61}}})
+                await wait_for(lambda: one(emu, "Job", "ns1", "mu-orchestrator")["metadata"].get("deletionTimestamp"))
+                deletes = [w for w in emu.writes if w.method == "DELETE" and w.kind == "Job"]
+                assert deletes and deletes[0].body["propagationPolicy"] == "Foreground"
+                # While the old pod runs, the old Job stays and no second one is created.
+                await asyncio.sleep(4 * INTERVAL)
+                jobs = emu.find("Job", "ns1")
+                assert [j["metadata"]["uid"] for j in jobs] == [old_job["metadata"]["uid"]]
+                # The old pod exits: the old Job goes, the retried reconcile creates the new one.
+                await api.json_patch("Pod", "ns1", "mu-orchestrator-abcde",
+                                     [{"op": "remove", "path": "/metadata/finalizers"}])
+                await wait_for(lambda: [j for j in emu.find("Job", "ns1")
+                                        if j["metadata"]["uid"] != old_job["metadata"]["uid"]], timeout=30)
+                (new_job,) = emu.find("Job", "ns1")
+                assert new_job["spec"]["template"] != old_job["spec"]["template"]
+                await wait_for(lambda: run_status(emu, "ns1", "mu").get("observedGeneration") == 2, timeout=30)
+
+    asyncio.run(scenario())

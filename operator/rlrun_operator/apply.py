@@ -13,7 +13,9 @@ Rules (docs/operator.md explains them):
   suspend scales them to 0 after saving the live count in constants.ANNOTATION_REPLICAS_BEFORE_SUSPEND and
   resume restores that count.
 - A Job's pod template is immutable: when the orchestrator Job's rendered content changes it is deleted
-  (background propagation) and created again; ``spec.suspend`` alone is patched in place.
+  with foreground propagation (the Job stays, with a deletionTimestamp, until its pods are gone, so the
+  create answers 409 and is retried — ApplyConflict after MAX_ATTEMPTS, then kopf's retry: two
+  orchestrators never run at once) and created again; ``spec.suspend`` alone is patched in place.
 - A 422 that is not a failed resourceVersion ``test`` means the API server refuses the rendered object
   itself: InvalidChild, reported as InvalidSpec, never retried in a loop.
 - A PersistentVolumeClaim is only ever created (its spec is immutable but for a resize, done by hand).
@@ -256,7 +258,10 @@ async def apply_child(api: KubeApi, desired: dict[str, Any], suspended: bool,
                 return Outcome(kind, name, "create", await api.create(plan.body or {}))
             if plan.action == "patch":
                 return Outcome(kind, name, "patch", await api.json_patch(kind, namespace, name, plan.ops))
-            await api.delete(kind, namespace, name)
+            if not (live or {}).get("metadata", {}).get("deletionTimestamp"):
+                # Foreground: the old Job stays until its pod is gone, so the create below answers 409
+                # (retried) instead of starting a second orchestrator next to the old one.
+                await api.delete(kind, namespace, name, propagation="Foreground")
             return Outcome(kind, name, "replace", await api.create(plan.body or {}))
         except ApiError as exc:
             if exc.status == 422 and plan.action == "patch":
