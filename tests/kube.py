@@ -408,16 +408,18 @@ async def serve_kubernetes(check_kinds: bool = True) -> AsyncIterator[tuple[Fide
 
 
 @contextlib.asynccontextmanager
-async def run_operator(server: str, status_interval: float = 1.0) -> AsyncIterator[kopf.Memo]:
+async def run_operator(server: str, status_interval: float = 1.0,
+                       operator_namespace: str | None = None) -> AsyncIterator[kopf.Memo]:
     """Run the real operator (rlrun_operator.handlers) embedded, cluster-wide and standalone, logged in
-    to ``server`` through an ``@kopf.on.login`` handler; stops it (stop flag, then cancel) on exit."""
+    to ``server`` through an ``@kopf.on.login`` handler; stops it (stop flag, then cancel) on exit.
+    ``operator_namespace``: the namespace the operator believes it runs in (None: its own default)."""
     registry = get_registry(status_interval=status_interval, login=False)
 
     @kopf.on.login(registry=registry)
     async def login(**_: Any) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=server)
 
-    memo = kopf.Memo(api=KubeApi(get_api_client(server)))
+    memo = kopf.Memo(api=KubeApi(get_api_client(server)), operator_namespace=operator_namespace)
     ready, stop = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(kopf.operator(registry=registry, clusterwide=True, standalone=True,
                                              memo=memo, ready_flag=ready, stop_flag=stop))

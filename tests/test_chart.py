@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rlrun_operator import constants
+
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "rlrun-operator"
 HELM = Path(sys.executable).parent / "helm"
@@ -52,6 +54,10 @@ def test_rendered_chart_validates_against_kubernetes_schemas(cluster_wide: str, 
     deployment = next(d for d in docs if d["kind"] == "Deployment")
     assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    # The operator learns its namespace (the NetworkPolicy peer of every run) from the downward API.
+    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": constants.ENV_OPERATOR_NAMESPACE,
+            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}} in env
 
 
 def test_values_schema_rejects_a_typo() -> None:

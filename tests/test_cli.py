@@ -125,6 +125,21 @@ def test_render_namespace_flag_and_conflict(tmp_path) -> None:
     assert "metadata.namespace is 'rl' but -n/--namespace is 'team-a'" in result.stderr
 
 
+def test_render_operator_namespace_flag() -> None:
+    def operator_peer(*args: str) -> dict:
+        result = rlrun("render", TINY, *args)
+        assert result.returncode == 0, result.stderr
+        policy = next(d for d in yaml.safe_load_all(result.stdout) if d["kind"] == "NetworkPolicy")
+        return policy["spec"]["ingress"][0]["from"][1]["namespaceSelector"]["matchLabels"]
+
+    assert operator_peer() == {"kubernetes.io/metadata.name": "rlrun-system"}
+    assert operator_peer("--operator-namespace", "ops") == {"kubernetes.io/metadata.name": "ops"}
+    result = rlrun("render", TINY, "--operator-namespace", "Not_A_Namespace")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert "--operator-namespace 'Not_A_Namespace' is not a namespace name" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_render_refuses_an_invalid_run(tmp_path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(tiny_with(**{"algorithm.sampling.maxTokens": 128}))

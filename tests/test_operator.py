@@ -127,12 +127,16 @@ def test_create_gives_every_child_with_labels_owner_and_status() -> None:
     async def scenario() -> None:
         async with serve_kubernetes() as (emu, url):
             api = KubeApi(get_api_client(url))
-            async with run_operator(url, status_interval=INTERVAL):
+            async with run_operator(url, status_interval=INTERVAL, operator_namespace="ops"):
                 created = await api.create(make_run("alpha", "ns1", disaggregated=True))
                 uid = created["metadata"]["uid"]
                 await wait_for(lambda: run_status(emu, "ns1", "alpha").get("phase") == "Initializing")
                 live = children(emu, "ns1", "alpha")
-                expected = render(apply_defaults({**created, "status": {}}))
+                expected = render(apply_defaults({**created, "status": {}}), operator_namespace="ops")
+                policy = one(emu, "NetworkPolicy", "ns1", "alpha-inference")
+                assert policy["spec"] == next(m for m in expected if m["kind"] == "NetworkPolicy")["spec"]
+                assert policy["spec"]["ingress"][0]["from"][1]["namespaceSelector"] == {
+                    "matchLabels": {"kubernetes.io/metadata.name": "ops"}}
                 assert sorted((o["kind"], o["metadata"]["name"]) for o in live) == \
                     sorted((m["kind"], m["metadata"]["name"]) for m in expected)
                 assert {o["metadata"]["name"] for o in live if o["kind"] == "Deployment"} == \

@@ -390,7 +390,9 @@ def test_network_policy_admits_only_the_run_and_the_operator():
         "policyTypes": ["Ingress"],
         "ingress": [{"from": [
             {"podSelector": {"matchLabels": {c.LABEL_NAME: "rlrun", c.LABEL_INSTANCE: "qwen3-4b-math"}}},
-            {"namespaceSelector": {}, "podSelector": {"matchLabels": {c.LABEL_NAME: c.OPERATOR_APP_NAME}}},
+            # The operator's pods in the operator's namespace only (not any pod labelled like it anywhere).
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "rlrun-system"}},
+             "podSelector": {"matchLabels": {c.LABEL_NAME: c.OPERATOR_APP_NAME}}},
         ]}],
     }
 
@@ -419,6 +421,14 @@ def test_network_policy_selects_exactly_the_inference_pods_and_admits_every_role
         assert selects(run_peer, labels)  # router, orchestrator, trainer, inference pods are all peers
     other_run = {c.LABEL_NAME: "rlrun", c.LABEL_INSTANCE: "someone-else", c.LABEL_COMPONENT: "router"}
     assert not selects(run_peer, other_run)
+    # The operator peer: its pods in its own namespace only (default: the README's rlrun-system).
+    operator_peer = policy["spec"]["ingress"][0]["from"][1]
+    assert operator_peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "rlrun-system"}}
+    assert operator_peer["podSelector"] == {"matchLabels": {c.LABEL_NAME: c.OPERATOR_APP_NAME}}
+    moved = by_kind(render(defaulted(VARIANTS[key]), operator_namespace="ops"), "NetworkPolicy")
+    (moved,) = moved.values()
+    assert moved["spec"]["ingress"][0]["from"][1]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "ops"}
 
 
 # --- pods: env contract, storage, config, probes, security ---------------------------------------

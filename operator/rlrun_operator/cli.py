@@ -2,7 +2,8 @@
 
 Commands (exit status 0 on success, 2 on bad input or usage, never a traceback for bad input):
   rlrun validate FILE...          schema + CEL + semantic checks (rlrun_operator.validation)
-  rlrun render FILE [-n NS]       the manifests the operator applies, as a multi-document YAML stream
+  rlrun render FILE [-n NS] [--operator-namespace NS]
+                                  the manifests the operator applies, as a multi-document YAML stream
   rlrun crd                       the CustomResourceDefinition, exactly as shipped
   rlrun local FILE [options]      hand over to the runtime package (`rlrun-runtime local`)
 """
@@ -12,12 +13,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import re
 import sys
 from typing import Any, TextIO
 
 import yaml
 
-from rlrun_operator import __version__, spec, validation
+from rlrun_operator import __version__, constants, spec, validation
 
 EXIT_OK = 0
 EXIT_INVALID = 2
@@ -45,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("render", help="print the Kubernetes manifests the operator applies for an RLRun")
     p.add_argument("file", metavar="FILE", help="RLRun YAML file (one document); - reads standard input")
     p.add_argument("-n", "--namespace", help="namespace of the run (default: metadata.namespace or 'default')")
+    p.add_argument("--operator-namespace", default=constants.DEFAULT_OPERATOR_NAMESPACE,
+                   help="namespace of the operator's pods, the only ones outside the run that the inference "
+                        "NetworkPolicy admits (default: %(default)s, where the README installs the chart)")
 
     sub.add_parser("crd", help="print the RLRun CustomResourceDefinition")
 
@@ -106,8 +111,16 @@ def prepare_for_render(rlrun: dict[str, Any], namespace: str | None) -> dict[str
     return out
 
 
-def run_render(file: str, namespace: str | None, out: TextIO, err: TextIO) -> int:
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # RFC 1123 label: a namespace name
+
+
+def run_render(file: str, namespace: str | None, out: TextIO, err: TextIO,
+               operator_namespace: str = constants.DEFAULT_OPERATOR_NAMESPACE) -> int:
     """Validate ``file`` (one RLRun) and print ``render.render()`` of it as a YAML stream; 0, or 2 on bad input."""
+    if not _DNS_LABEL.match(operator_namespace):
+        print(f"--operator-namespace {operator_namespace!r} is not a namespace name (lower-case letters, digits "
+              "and '-', at most 63); pass the namespace the operator runs in", file=err)
+        return EXIT_INVALID
     try:
         docs = read_documents(file)
     except validation.SpecFileError as exc:
@@ -129,7 +142,7 @@ def run_render(file: str, namespace: str | None, out: TextIO, err: TextIO) -> in
     render = importlib.import_module("rlrun_operator.render")  # lazy: only this command needs it
     render_error = importlib.import_module("rlrun_operator.render_metadata").RenderError
     try:
-        manifests = render.render(rlrun)
+        manifests = render.render(rlrun, operator_namespace=operator_namespace)
     except render_error as exc:  # a spec the renderer refuses (its message names the field and the fix)
         print(f"{file}: {exc}", file=err)
         return EXIT_INVALID
@@ -169,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "validate":
             return run_validate(args.files, sys.stdout)
         if args.command == "render":
-            return run_render(args.file, args.namespace, sys.stdout, sys.stderr)
+            return run_render(args.file, args.namespace, sys.stdout, sys.stderr, args.operator_namespace)
         sys.stdout.write(spec.crd_text())  # args.command == "crd"
         return EXIT_OK
     except KeyboardInterrupt:

@@ -32,6 +32,12 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 APP_NAME = "rlrun"
 MANAGED_BY = "rlrun-operator"
 OPERATOR_APP_NAME = "rlrun-operator"  # app.kubernetes.io/name of the operator's own pods (NetworkPolicy peer)
+# Namespace of the operator's pods when it is not told otherwise: the README's `helm install -n rlrun-system`.
+DEFAULT_OPERATOR_NAMESPACE = "rlrun-system"
+# The operator's own namespace, set by the chart from the downward API (metadata.namespace).
+ENV_OPERATOR_NAMESPACE = "RLRUN_OPERATOR_NAMESPACE"
+# Label every namespace carries (Kubernetes >= 1.22): how a NetworkPolicy selects one namespace by name.
+LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
 LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller (Kubernetes >= 1.28)
 
 ANNOTATION_PREFIX = "rlrun.dev"

@@ -3,7 +3,9 @@
 ``get_registry()`` builds a fresh kopf registry, so the operator can be embedded (tests, benchmark) with
 its own settings. Handlers:
 - startup: kopf settings (finalizer and annotation prefix under rlrun.dev, watch timeouts, Events only for
-  warnings), the API client in ``memo.api`` unless the embedder put one there, an HTTP session for scrapes.
+  warnings), the API client in ``memo.api`` unless the embedder put one there, an HTTP session for scrapes,
+  the operator's namespace in ``memo.operator_namespace`` unless set (env constants.ENV_OPERATOR_NAMESPACE,
+  which the chart fills from the downward API; else constants.DEFAULT_OPERATOR_NAMESPACE).
 - create / update (spec only) / resume: reconcile the children, then write the status; update also prunes
   children the render no longer produces. A semantically invalid spec writes Ready=False reason InvalidSpec
   and one Warning Event, and creates nothing.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any, Awaitable, Callable
 
 import aiohttp
@@ -108,6 +111,9 @@ def get_registry(status_interval: float = constants.OPERATOR_STATUS_INTERVAL_S,
         settings.posting.level = logging.WARNING
         if getattr(memo, "api", None) is None:
             memo.api = KubeApi(load_api_client())
+        if getattr(memo, "operator_namespace", None) is None:
+            memo.operator_namespace = os.environ.get(constants.ENV_OPERATOR_NAMESPACE) or \
+                constants.DEFAULT_OPERATOR_NAMESPACE
         memo.http = aiohttp.ClientSession()
         # Compile the CRD's CEL rules now (about 1 s, cached) rather than in the first reconcile.
         await asyncio.to_thread(get_invalid, get_warmup_run())
@@ -124,7 +130,7 @@ def get_registry(status_interval: float = constants.OPERATOR_STATUS_INTERVAL_S,
         meta = rlrun["metadata"]
         try:
             result = await reconcile_run(memo.api, rlrun, trigger, prune=prune, assume_absent=assume_absent,
-                                         finished=finished)
+                                         finished=finished, operator_namespace=memo.operator_namespace)
             if result.invalid:
                 workloads = await read_workloads(memo.api, meta["namespace"], meta["name"])
             else:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 
 import aiohttp
 
-from rlrun_operator import apply, metrics, observe, status
+from rlrun_operator import apply, constants, metrics, observe, status
 from rlrun_operator.kubeapi import KubeApi
 from rlrun_operator.render import RenderError, render
 from rlrun_operator.sizing import SizingError
@@ -95,7 +95,8 @@ def get_finished_manifests(manifests: list[dict[str, Any]]) -> list[dict[str, An
 
 
 async def reconcile_run(api: KubeApi, rlrun: dict[str, Any], trigger: str, prune: bool = False,
-                        assume_absent: bool = False, finished: bool | None = None) -> ReconcileResult:
+                        assume_absent: bool = False, finished: bool | None = None,
+                        operator_namespace: str = constants.DEFAULT_OPERATOR_NAMESPACE) -> ReconcileResult:
     """Validate, render and converge every child of ``rlrun`` (a plain RLRun with metadata.uid).
 
     A finished run (``finished``; None: ``is_finished(rlrun)``) gives its GPUs back: its children are
@@ -106,6 +107,7 @@ async def reconcile_run(api: KubeApi, rlrun: dict[str, Any], trigger: str, prune
         trigger: create | update | resume | drift | finish (a metrics label).
         prune: also delete children the render no longer produces (on spec updates).
         assume_absent: POST first without a GET (a brand-new run); a 409 falls back to GET + patch.
+        operator_namespace: the operator's own namespace (render's keyword: the NetworkPolicy peer).
 
     Returns:
         ReconcileResult; ``invalid`` set means the spec is invalid: nothing was written when validation
@@ -126,7 +128,7 @@ async def reconcile_run(api: KubeApi, rlrun: dict[str, Any], trigger: str, prune
         if finished:
             defaulted["spec"]["suspend"] = True
         try:
-            manifests = render(defaulted)
+            manifests = render(defaulted, operator_namespace=operator_namespace)
         except (RenderError, SizingError) as exc:
             return ReconcileResult(invalid=[str(exc)])
         suspended = bool(defaulted["spec"].get("suspend"))

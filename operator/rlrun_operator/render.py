@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .constants import DEFAULT_OPERATOR_NAMESPACE
 from .render_config import get_config_hash, render_config_map
 from .render_inference import get_inference_pools, render_inference
 from .render_metadata import RenderError, check_run_name, get_child_names
@@ -38,7 +39,7 @@ APPLY_ORDER = (
 )
 
 
-def render(rlrun: dict[str, Any]) -> list[dict[str, Any]]:
+def render(rlrun: dict[str, Any], *, operator_namespace: str = DEFAULT_OPERATOR_NAMESPACE) -> list[dict[str, Any]]:
     """Every child object of a run, in apply order (APPLY_ORDER; within a kind: trainer, inference pools,
     router, orchestrator).
 
@@ -46,6 +47,10 @@ def render(rlrun: dict[str, Any]) -> list[dict[str, Any]]:
         rlrun: a whole RLRun, already defaulted (spec.apply_defaults) and valid against the CRD, with
             metadata.name and metadata.namespace set. metadata.uid, when present, gives every child an
             ownerReference (controller) to the run; when absent (``rlrun render``) none is written.
+        operator_namespace: the namespace of the operator's pods, the only one whose operator pods the
+            inference NetworkPolicy admits (metrics scrapes). Default constants.DEFAULT_OPERATOR_NAMESPACE
+            ("rlrun-system", the namespace the README installs the chart in); the operator passes its own
+            (constants.ENV_OPERATOR_NAMESPACE, from the downward API).
 
     Returns:
         Plain dicts (apiVersion, kind, metadata, ...): ConfigMap ``<name>-config``; PVC ``<name>-storage``
@@ -75,7 +80,7 @@ def render(rlrun: dict[str, Any]) -> list[dict[str, Any]]:
     inference_services, inference_deployments = render_inference(rlrun, names, claim_name)
     router_service, router_deployment = render_router(rlrun, names, claim_name)
     orchestrator_service, job = render_orchestrator(rlrun, names, claim_name)
-    network_policy = render_network_policy(rlrun, names["network-policy"])
+    network_policy = render_network_policy(rlrun, names["network-policy"], operator_namespace)
 
     objects: list[dict[str, Any]] = [config_map]
     if pvc is not None:

@@ -36,15 +36,18 @@ def render_service(
     return {"apiVersion": "v1", "kind": "Service", "metadata": get_metadata(rlrun, name, component), "spec": spec}
 
 
-def render_network_policy(rlrun: dict[str, Any], name: str) -> dict[str, Any]:
+def render_network_policy(rlrun: dict[str, Any], name: str,
+                          operator_namespace: str = c.DEFAULT_OPERATOR_NAMESPACE) -> dict[str, Any]:
     """NetworkPolicy ``name`` isolating the run's inference pods (inference, prefill and decode).
 
     vLLM serves its weight-update endpoints (VLLM_SERVER_DEV_MODE) on the completions port, so ingress
     to these pods is allowed only from (a) pods of the same run (label instance = the run's name, in the
     run's namespace): router, orchestrator, trainer, and prefill<->decode KV transfer on any port,
     NIXL's side channel included; (b) the operator's pods (``app.kubernetes.io/name`` =
-    constants.OPERATOR_APP_NAME) in any namespace, which scrape /metrics. Everything else is denied.
-    Egress is not restricted.
+    constants.OPERATOR_APP_NAME) in ``operator_namespace`` only (selected by its
+    ``kubernetes.io/metadata.name`` label, which the API server sets on every namespace since Kubernetes
+    1.22), which scrape /metrics: a pod labelled like the operator in another namespace gets nothing.
+    Everything else is denied. Egress is not restricted.
     """
     run_name = rlrun["metadata"]["name"]
     return {
@@ -64,7 +67,7 @@ def render_network_policy(rlrun: dict[str, Any], name: str) -> dict[str, Any]:
                     "from": [
                         {"podSelector": {"matchLabels": get_run_selector_labels(run_name)}},
                         {
-                            "namespaceSelector": {},
+                            "namespaceSelector": {"matchLabels": {c.LABEL_NAMESPACE_NAME: operator_namespace}},
                             "podSelector": {"matchLabels": {c.LABEL_NAME: c.OPERATOR_APP_NAME}},
                         },
                     ]
