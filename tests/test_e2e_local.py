@@ -33,7 +33,8 @@ REWARD_MARGIN = 0.1            # issue: last fifth of steps beats the first fift
 FIRST_STEP_MISMATCH_KL = 1e-3  # step 1 trains on rollouts of policy 0 with policy 0: numerics only
 ON_POLICY_MISMATCH_KL = 1e-3   # every step's mismatch_kl_on_policy (samples of policy step - 1 only; null when none):
                                # numerics only; measured <= 5e-9 on 3 of 60 steps (float32, CPU, 2026-11-29)
-MEAN_MISMATCH_KL = 0.05        # whole run; includes the drift of maxAsyncLevel 1 (rollouts one step old)
+MEAN_MISMATCH_KL = 0.15        # whole run, all samples: mostly the drift of rollouts one policy step old
+                               # (maxAsyncLevel 1, lr 3e-3); measured means 0.02-0.05 (2026-11-29)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -102,7 +103,8 @@ def test_embedded_default_learns(seed: int, tmp_path: Path) -> None:
     kls = [r["mismatch_kl"] for r in rows]
     assert kls[0] <= FIRST_STEP_MISMATCH_KL, kls[:3]
     on_policy_kls = [r["mismatch_kl_on_policy"] for r in rows]
-    assert on_policy_kls[0] is not None and all(k is None or k <= ON_POLICY_MISMATCH_KL for k in on_policy_kls), on_policy_kls
+    assert on_policy_kls[0] is not None, "step 1 trains on policy 0 rollouts only"
+    assert all(k is None or k <= ON_POLICY_MISMATCH_KL for k in on_policy_kls), on_policy_kls
     assert mean(kls) <= MEAN_MISMATCH_KL, kls
 
     # vLLM's own GET /weight_info after each update reports the version of the weights it just loaded, and
