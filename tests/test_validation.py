@@ -281,6 +281,9 @@ def write(tmp_path, text: str | bytes, name: str = "run.yaml"):
     ("- a\n- b\n", "is a YAML list, not a mapping"),
     ("just text\n", "is a YAML str, not a mapping"),
     ("apiVersion: v1\nkind: Pod\n", "is apiVersion 'v1' kind 'Pod', not an RLRun; set apiVersion: rlrun.dev/v1alpha1"),
+    ("apiVersion: rlrun.dev/v1alpha1\nkind: RLRun\nspec:\n  algorithm:\n    batchSize: 64\n    maxSteps: 3\n"
+     "    batchSize: 128\n", "key 'batchSize' appears twice in one mapping (line 5 and line 7); keep only one"),
+    ("kind: RLRun\nkind: RLRun\n", "key 'kind' appears twice in one mapping (line 1 and line 2)"),
 ])
 def test_load_documents_rejects_bad_files(tmp_path, content, expected) -> None:
     path = write(tmp_path, content)
@@ -288,6 +291,13 @@ def test_load_documents_rejects_bad_files(tmp_path, content, expected) -> None:
         load_documents(path)
     assert str(info.value).startswith(str(path))
     assert expected in str(info.value)
+
+
+def test_repeated_keys_in_different_mappings_and_merge_keys_are_fine(tmp_path) -> None:
+    path = write(tmp_path, "apiVersion: rlrun.dev/v1alpha1\nkind: RLRun\nmetadata: {name: a}\n"
+                           "spec:\n  model: &m {name: x}\n  environment: {<<: *m, name: y, type: builtin}\n")
+    (doc,) = load_documents(path)
+    assert doc["metadata"] == {"name": "a"} and doc["spec"]["environment"] == {"name": "y", "type": "builtin"}
 
 
 def test_load_documents_missing_file_and_directory(tmp_path) -> None:

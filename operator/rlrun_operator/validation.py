@@ -67,7 +67,8 @@ def load_documents(path: str | Path) -> list[dict[str, Any]]:
     Empty documents (a trailing ``---``) are ignored. Returns at least one dict.
 
     Raises:
-        SpecFileError: the file is missing or unreadable, not UTF-8, not YAML, holds no document, or a
+        SpecFileError: the file is missing or unreadable, not UTF-8, not YAML (a repeated key included),
+            holds no document, or a
             document is not a mapping with ``apiVersion: rlrun.dev/v1alpha1`` and ``kind: RLRun``.
     """
     path = Path(path)
@@ -84,15 +85,48 @@ def load_documents(path: str | Path) -> list[dict[str, Any]]:
     return parse_documents(text, str(path))
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A YAML mapping holds the same key twice (``key``; 1-based ``line`` of the repeat, ``first_line``)."""
+
+    def __init__(self, key: Any, line: int, first_line: int) -> None:
+        super().__init__(f"duplicate key {key!r} at line {line} (first at line {first_line})")
+        self.key = key
+        self.line = line
+        self.first_line = first_line
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, except that a mapping with a repeated key raises DuplicateKeyError instead of
+    silently keeping the last value (YAML 1.2 requires unique keys; kubectl refuses them too)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # "<<" merge keys may repeat
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: SafeLoader reports it itself
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise DuplicateKeyError(key, key_node.start_mark.line + 1, first)
+        return super().construct_mapping(node, deep)
+
+
 def parse_documents(text: str, source: str) -> list[dict[str, Any]]:
     """Parse YAML ``text`` into RLRun documents, as ``load_documents`` does; ``source`` names it in errors.
 
     Raises:
-        SpecFileError: as ``load_documents``, less the file-system errors.
+        SpecFileError: as ``load_documents``, less the file-system errors; also for a mapping that repeats
+            a key (UniqueKeyLoader), naming the key and both lines.
     """
     path = source
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [d for d in yaml.load_all(text, Loader=UniqueKeyLoader) if d is not None]
+    except DuplicateKeyError as exc:
+        raise SpecFileError(f"{path}: key {exc.key!r} appears twice in one mapping (line {exc.first_line} and "
+                            f"line {exc.line}); keep only one of them") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
