@@ -115,6 +115,24 @@ def test_render_prints_manifests_in_the_default_namespace() -> None:
     assert all(d["metadata"]["name"].startswith("tiny-reverse-") for d in docs)
 
 
+def test_render_prints_what_the_operator_creates_with_its_spec_hash() -> None:
+    from rlrun_operator import apply, constants, spec
+    from rlrun_operator.render import render
+
+    result = rlrun("render", TINY)
+    assert result.returncode == 0, result.stderr
+    docs = list(yaml.safe_load_all(result.stdout))
+    run = spec.apply_defaults(yaml.safe_load(Path(TINY).read_text()))
+    run["metadata"]["namespace"] = "default"
+    rendered = render(run)
+    assert docs == [apply.get_creatable(m, suspended=False) for m in rendered]
+    for doc, manifest in zip(docs, rendered):
+        # The hash the operator compares with on every reconcile (plan_child).
+        assert doc["metadata"]["annotations"][constants.ANNOTATION_SPEC_HASH] == apply.get_spec_hash(manifest)
+        assert "ownerReferences" not in doc["metadata"]
+    assert "ownerReferences" in rlrun("render", "--help").stdout
+
+
 def test_render_namespace_flag_and_conflict(tmp_path) -> None:
     result = rlrun("render", TINY, "-n", "team-a")
     assert result.returncode == 0

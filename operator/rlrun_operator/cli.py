@@ -44,7 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check RLRun files (schema, CEL rules, semantic checks)")
     p.add_argument("files", nargs="+", metavar="FILE", help="RLRun YAML file(s); - reads standard input")
 
-    p = sub.add_parser("render", help="print the Kubernetes manifests the operator applies for an RLRun")
+    p = sub.add_parser(
+        "render", help="print the Kubernetes manifests the operator applies for an RLRun",
+        description="Print the Kubernetes manifests the operator creates for an RLRun, exactly as it POSTs them "
+                    "(spec-hash annotation included). Only the ownerReferences to the RLRun are missing: they "
+                    "need the RLRun's uid, which exists once the RLRun is applied, so the operator adds them then.")
     p.add_argument("file", metavar="FILE", help="RLRun YAML file (one document); - reads standard input")
     p.add_argument("-n", "--namespace", help="namespace of the run (default: metadata.namespace or 'default')")
     p.add_argument("--operator-namespace", default=constants.DEFAULT_OPERATOR_NAMESPACE,
@@ -116,7 +120,9 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # RFC 1123 lab
 
 def run_render(file: str, namespace: str | None, out: TextIO, err: TextIO,
                operator_namespace: str = constants.DEFAULT_OPERATOR_NAMESPACE) -> int:
-    """Validate ``file`` (one RLRun) and print ``render.render()`` of it as a YAML stream; 0, or 2 on bad input."""
+    """Validate ``file`` (one RLRun) and print what the operator creates for it as a YAML stream:
+    ``render.render()`` with apply.get_creatable's spec-hash annotation (ownerReferences are added at apply
+    time, when the RLRun has a uid). Returns 0, or 2 on bad input."""
     if not _DNS_LABEL.match(operator_namespace):
         print(f"--operator-namespace {operator_namespace!r} is not a namespace name (lower-case letters, digits "
               "and '-', at most 63); pass the namespace the operator runs in", file=err)
@@ -146,6 +152,10 @@ def run_render(file: str, namespace: str | None, out: TextIO, err: TextIO,
     except render_error as exc:  # a spec the renderer refuses (its message names the field and the fix)
         print(f"{file}: {exc}", file=err)
         return EXIT_INVALID
+    # What the operator POSTs: the same objects with its spec-hash annotation (apply.get_creatable).
+    apply = importlib.import_module("rlrun_operator.apply")
+    suspended = bool(rlrun["spec"].get("suspend"))
+    manifests = [apply.get_creatable(m, suspended) for m in manifests]
     out.write(yaml.safe_dump_all(manifests, sort_keys=False, default_flow_style=False))
     return EXIT_OK
 
