@@ -297,6 +297,9 @@ def test_prefill_and_decode_are_sized_by_the_ratio_and_play_their_roles():
         assert "VLLM_CPU_KVCACHE_SPACE" not in env  # GPU pods
         assert container["command"] == ["rlrun-runtime", "inference", "--config", "/etc/rlrun/rlrun.yaml"]
         assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}
+        # A roll replaces one pod at a time without a surge pod: it never waits for a spare GPU.
+        assert deployments[f"qwen3-4b-math-{role}"]["spec"]["strategy"] == {
+            "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
         service = one(objects, "Service", f"qwen3-4b-math-{role}")
         assert service["spec"]["clusterIP"] == "None"
         assert service["spec"]["selector"][c.LABEL_COMPONENT] == role
@@ -305,6 +308,7 @@ def test_prefill_and_decode_are_sized_by_the_ratio_and_play_their_roles():
 def test_plain_inference_on_cpu():
     deployment = one(rendered("tiny"), "Deployment", "tiny-reverse-inference")
     assert deployment["spec"]["replicas"] == 1
+    assert "strategy" not in deployment["spec"]  # CPU pools: Kubernetes' default rolling update
     env = env_of(deployment["spec"]["template"]["spec"]["containers"][0])
     assert env["RLRUN_INFERENCE_ROLE"] == "both"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == str(c.CPU_KVCACHE_SPACE_GIB)

@@ -83,6 +83,10 @@ def render_inference(rlrun: dict[str, Any], names: dict[str, str], claim_name: s
 
     Deployment replicas = the seed of get_inference_pools, 0 when spec.suspend. GPUs = gpusPerReplica.
     Probes: vLLM's /health on the http port (startup probe allows an hour for download and load).
+    With GPUs (gpusPerReplica > 0) the rollout strategy is RollingUpdate with maxSurge 0, maxUnavailable 1
+    (get_gpu_rollout): Kubernetes' default (25 % surge) would need spare GPUs for the extra pod and stall
+    in a cluster sized for the run; instead one old pod at a time is stopped before its replacement starts.
+    CPU pools keep the default.
     """
     spec = rlrun["spec"]
     run_name = rlrun["metadata"]["name"]
@@ -121,11 +125,19 @@ def render_inference(rlrun: dict[str, Any], names: dict[str, str], claim_name: s
                 "spec": {
                     "replicas": 0 if spec["suspend"] else seed,
                     "selector": {"matchLabels": get_selector_labels(run_name, component)},
+                    **({"strategy": get_gpu_rollout()} if inference["gpusPerReplica"] > 0 else {}),
                     "template": template,
                 },
             }
         )
     return services, deployments
+
+
+def get_gpu_rollout() -> dict[str, Any]:
+    """Deployment strategy of GPU inference pools: replace pods one at a time without a surge pod, so a
+    roll never waits for a GPU the cluster does not have (Kubernetes Deployment docs: maxSurge 0 with
+    maxUnavailable 1 stops one old pod before starting its replacement)."""
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
 
 
 def get_inference_endpoints(rlrun: dict[str, Any], names: dict[str, str]) -> str:
