@@ -464,7 +464,7 @@ def test_deleted_workload_is_recreated_by_the_status_timer() -> None:
 
 
 def test_child_refused_by_the_api_server_is_invalid_spec_without_endless_retries() -> None:
-    """spec.pod.affinity is free-form in the CRD, so a malformed one passes validate; the API server (here
+    """spec.pod.affinity's parts are free-form in the CRD, so a malformed one passes validate; the API server (here
     kubernetes-validate in tests/kube.py) answers 422 for the rendered StatefulSet. That is InvalidSpec with
     the server's message and one Warning Event, not a conflict retried forever."""
     async def scenario() -> None:
@@ -472,7 +472,7 @@ def test_child_refused_by_the_api_server_is_invalid_spec_without_endless_retries
             api = KubeApi(get_api_client(url))
             async with run_operator(url, status_interval=INTERVAL):
                 bad = make_run("iota", "ns1")
-                bad["spec"]["pod"] = {"affinity": {"nodeAffinity": 5}}
+                bad["spec"]["pod"] = {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": 5}}}
                 await api.create(bad)
                 await wait_for(lambda: run_status(emu, "ns1", "iota").get("conditions"))
                 ready = condition(run_status(emu, "ns1", "iota"), "Ready")
@@ -506,7 +506,8 @@ def test_patch_refused_by_the_api_server_is_invalid_spec_not_a_conflict() -> Non
                 await api.create(make_run("kappa", "ns1"))
                 await wait_for(lambda: run_status(emu, "ns1", "kappa").get("phase") == "Initializing")
                 await api.merge_patch(constants.KIND, "ns1", "kappa",
-                                      {"spec": {"pod": {"affinity": {"podAffinity": "near"}}}})
+                                      {"spec": {"pod": {"affinity": {"podAffinity": {
+                                          "requiredDuringSchedulingIgnoredDuringExecution": "near"}}}}})
                 await wait_for(lambda: condition(run_status(emu, "ns1", "kappa"), "Ready")["reason"] == "InvalidSpec")
                 assert "affinity.podAffinity" in condition(run_status(emu, "ns1", "kappa"), "Ready")["message"]
                 refused = [(w.method, w.kind) for w in emu.writes if w.status == 422]

@@ -73,6 +73,13 @@ SCHEMA_CASES = [
      "did you mean 'requests'?"),
     ("resources-not-map", {"spec.orchestrator.resources": {"limits": "2"}}, "spec.orchestrator.resources.limits",
      "must be an object"),
+    ("affinity-part", {"spec.pod.affinity": {"nodeAffinity": 5}}, "spec.pod.affinity.nodeAffinity",
+     "must be an object"),
+    ("affinity-typo", {"spec.pod.affinity": {"podAntiAfinity": {}}}, "spec.pod.affinity.podAntiAfinity",
+     "did you mean 'podAntiAffinity'?"),
+    ("env-value-int", {"spec.pod.env": [{"name": "N", "value": 5}]}, "spec.pod.env[0].value", "write a string"),
+    ("env-from-name", {"spec.pod.envFrom": [{"secretRef": {}}]}, "spec.pod.envFrom[0].secretRef.name",
+     "is required"),
 ]
 
 CEL_CASES = [
@@ -152,6 +159,10 @@ def test_valid_variations_have_no_errors(tiny_rlrun) -> None:
         {"spec.environment.type": "python", "spec.environment.name": "my_pkg.envs:Reverse"},
         {"metadata.name": "a" * 44},
         {"spec.trainer.resources": {"requests": {"cpu": "500m", "memory": "4Gi"}, "limits": {"cpu": 2, "x": "1e3"}},
+         "spec.pod.affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+             "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}}},
+         "spec.pod.env": [{"name": "A", "value": "1"}, {"name": "B", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}],
+         "spec.pod.envFrom": [{"secretRef": {"name": "hf"}, "prefix": "HF_"}, {"configMapRef": {"name": "c"}}],
          "spec.pod.tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"},
                                   {"operator": "Equal", "key": "k", "value": "v", "effect": "NoExecute",
                                    "tolerationSeconds": 30}]},
