@@ -385,3 +385,16 @@ def test_every_unknown_field_is_reported(tiny_rlrun) -> None:
         ("spec.trainer.gpus", "unknown field; did you mean 'gpusPerNode'?"),
         ("spec.trainer.node", "unknown field; did you mean 'nodes'?"),
     ]
+
+
+def test_cel_conversion_memo_reuses_shared_subtrees_and_changes_nothing(tiny_rlrun) -> None:
+    from rlrun_operator import cel
+
+    run = spec.apply_defaults(tiny_rlrun)
+    schema = spec.crd_schema()["properties"]["spec"]
+    memo: dict = {}
+    whole = cel.to_cel(run["spec"], schema, memo)
+    assert whole == cel.to_cel(run["spec"], schema)  # same value as without the memo
+    algorithm = schema["properties"]["algorithm"]
+    assert cel.to_cel(run["spec"]["algorithm"], algorithm, memo) is whole["algorithm"]  # converted once
+    assert (id(run["spec"]["algorithm"]), id(algorithm)) in memo

@@ -85,6 +85,18 @@ def find_rules(schema: dict[str, Any], path: tuple[str, ...] = ()) -> Iterator[R
         yield from find_rules(schema["additionalProperties"], (*path, "{}"))
 
 
+_RULES: dict[int, tuple[dict[str, Any], tuple[Rule, ...]]] = {}
+
+
+def _rules_of(schema: dict[str, Any]) -> tuple[Rule, ...]:
+    """find_rules(schema), remembered per schema object (the CRD's schema is parsed once and never
+    mutated; the schema is kept referenced so that its id is not reused)."""
+    found = _RULES.get(id(schema))
+    if found is None or found[0] is not schema:
+        found = _RULES[id(schema)] = (schema, tuple(find_rules(schema)))
+    return found[1]
+
+
 @functools.lru_cache(maxsize=256)
 def compile_rule(expression: str) -> celpy.Runner:
     """Parse ``expression`` and return a cel-python program (cached per expression text).
@@ -99,12 +111,26 @@ def compile_rule(expression: str) -> celpy.Runner:
         raise CELRuleError(f"CEL rule {expression!r} does not parse: {exc}") from exc
 
 
-def to_cel(value: Any, schema: dict[str, Any] | None) -> celtypes.Value:
+def to_cel(value: Any, schema: dict[str, Any] | None,
+           memo: dict[tuple[int, int], celtypes.Value] | None = None) -> celtypes.Value:
     """Convert a JSON value to a CEL value typed by its schema node (``number`` -> double, ...).
 
     Nodes without a usable schema (free-form, ``x-kubernetes-preserve-unknown-fields``) fall back to
-    cel-python's JSON conversion.
+    cel-python's JSON conversion. ``memo`` (keyed by the ids of value and schema node; valid only while
+    both are alive and unchanged, e.g. during one evaluate_rules call) reuses conversions of shared
+    subtrees: a rule on ``spec`` and a rule on ``spec.algorithm`` convert ``spec.algorithm`` once.
     """
+    if memo is not None and isinstance(value, (dict, list)):
+        key = (id(value), id(schema))
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = _to_cel(value, schema, memo)
+        return found
+    return _to_cel(value, schema, memo)
+
+
+def _to_cel(value: Any, schema: dict[str, Any] | None,
+            memo: dict[tuple[int, int], celtypes.Value] | None) -> celtypes.Value:
     schema = schema or {}
     kind = schema.get("type")
     if value is None:
@@ -114,14 +140,14 @@ def to_cel(value: Any, schema: dict[str, Any] | None) -> celtypes.Value:
     if kind == "integer" and isinstance(value, int) and not isinstance(value, bool):
         return celtypes.IntType(value)
     if kind == "array" and isinstance(value, list):
-        return celtypes.ListType([to_cel(item, schema.get("items")) for item in value])
+        return celtypes.ListType([to_cel(item, schema.get("items"), memo) for item in value])
     if kind == "object" and isinstance(value, dict) and ("properties" in schema or "additionalProperties" in schema):
         props = schema.get("properties") or {}
         extra = schema.get("additionalProperties")
         out = {}
         for key, item in value.items():
             sub = props.get(key, extra if isinstance(extra, dict) else None)
-            out[celtypes.StringType(key)] = to_cel(item, sub)
+            out[celtypes.StringType(key)] = to_cel(item, sub, memo)
         return celtypes.MapType(out)
     return celpy.json_to_cel(value)
 
@@ -170,14 +196,15 @@ def evaluate_rules(obj: dict[str, Any], schema: dict[str, Any], skip_paths: froz
         CELRuleError: a rule of the schema is not valid CEL (a bug in the CRD, not in the object).
     """
     out: list[Violation] = []
-    for rule in find_rules(schema):
+    memo: dict[tuple[int, int], celtypes.Value] = {}
+    for rule in _rules_of(schema):
         if _OLD_SELF.search(rule.rule):
             continue
         program = compile_rule(rule.rule)
         for value, node_schema, data_path in _nodes(obj, schema, rule.schema_path, ""):
             if any(_within(p, data_path) for p in skip_paths):
                 continue
-            activation = {"self": to_cel(value, node_schema)}
+            activation = {"self": to_cel(value, node_schema, memo)}
             try:
                 result = program.evaluate(activation)
             except celpy.CELEvalError as exc:
