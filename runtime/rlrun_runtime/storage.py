@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import json
 import os
 import re
@@ -113,8 +115,9 @@ def atomic_directory(path: Path) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success rename it to ``path`` in one step.
 
     On error the temporary directory is removed and ``path`` is untouched. An existing ``path`` is
-    replaced whole (moved aside, the new one renamed in, the old one deleted), so a re-published step never
-    leaves a mix of old and new files and is never missing.
+    replaced whole, so a re-published step never leaves a mix of old and new files: by an atomic exchange
+    (Linux ``renameat2(RENAME_EXCHANGE)``), so it is never missing either; where the filesystem lacks the
+    exchange (some network filesystems) the old one is moved aside first, leaving a moment without it.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
@@ -125,17 +128,38 @@ def atomic_directory(path: Path) -> Iterator[Path]:
                 with open(child, "rb") as handle:
                     os.fsync(handle.fileno())
         if path.exists():
-            # Replace without a moment where ``path`` is missing: move the old one aside, rename the new
-            # one in, then delete the old one (a server may be reading a re-published weights step).
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
-            os.rename(path, old / path.name)
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
+            if exchange_paths(tmp, path):  # ``path`` now holds the new files, ``tmp`` the old ones
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:  # no atomic exchange on this filesystem: a short window where ``path`` is missing
+                old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+                os.rename(path, old / path.name)
+                os.rename(tmp, path)
+                shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths with Linux ``renameat2(..., RENAME_EXCHANGE)`` (glibc >= 2.28).
+
+    Returns False, changing nothing, where the C library or the filesystem does not offer it.
+    """
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is None:
+        return False
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
