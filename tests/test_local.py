@@ -412,6 +412,9 @@ def test_progress_from_metrics_and_orchestrator_scrape():
     line = render_line(progress)
     assert line.startswith("step 5/10 reward 0.200 mismatch_kl 0.0050 tokens/s 805 lag 2")
     assert "eta 0m25s" in line and "(loading weights)" in line
+    ahead = get_progress(rows, {**scraped, c.METRIC_POLICY_VERSION: 6.0}, max_steps=10, step_times={},
+                         started_at=90.0, now=121.0)
+    assert ahead.policy_lag == 0  # the scrape saw version 6 before metrics.jsonl showed step 6: never below 0
     empty = get_progress([], {}, max_steps=10, step_times={}, started_at=0.0, now=3.0)
     assert (empty.step, empty.reward, empty.policy_lag, empty.eta_seconds) == (0, None, None, None)
 
@@ -594,3 +597,36 @@ def test_roles_die_with_a_killed_supervisor(tmp_path):
     while _live([child]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _live([child]) == []
+
+
+def test_gpu_specs_are_refused_before_anything_starts_on_a_machine_without_them():
+    from rlrun_runtime.local import LocalInputError, check_gpus
+
+    spec = {"trainer": {"gpusPerNode": 8}, "inference": {"gpusPerReplica": 1}}
+    with pytest.raises(LocalInputError, match=r"spec.trainer.gpusPerNode: 8, spec.inference.gpusPerReplica: 1 "
+                                              r"GPU\(s\) per pod, but this machine shows 0; set"):
+        check_gpus("run.yaml", spec, visible_gpus=0)
+    check_gpus("run.yaml", spec, visible_gpus=8)
+    check_gpus("run.yaml", {"trainer": {"gpusPerNode": 0}, "inference": {"gpusPerReplica": 0}}, visible_gpus=0)
+
+
+def test_a_failed_role_is_reported_with_its_own_error_line(tmp_path):
+    from rlrun_runtime.local import get_role_error
+
+    log = tmp_path / "trainer.log"
+    log.write_text("rlrun-runtime inference: /x/python -m vllm.entrypoints.openai.api_server --model m\n"
+                   "rlrun-runtime trainer: spec.trainer.gpusPerNode: > 0 but no CUDA device is visible; set it to 0\n"
+                   "Traceback (most recent call last):\n  torch.distributed.elastic...ChildFailedError\n")
+    assert get_role_error(log) == ("rlrun-runtime trainer: spec.trainer.gpusPerNode: > 0 but no CUDA device is "
+                                   "visible; set it to 0")
+    log.write_text("rlrun-runtime inference: /x/python -m vllm.entrypoints.openai.api_server --model m\nboom\n")
+    assert get_role_error(log) is None
+    assert get_role_error(tmp_path / "missing.log") is None
+
+
+def test_gpu_example_exits_2_naming_the_fields(tmp_path):
+    proc = subprocess.run(RLRUN + ["local", str(ROOT / "examples" / "rlrun-minimal.yaml"), "--output-dir",
+                                   str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "spec.trainer.gpusPerNode: 1" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()

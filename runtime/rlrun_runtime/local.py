@@ -10,7 +10,8 @@ on it; start every role under the supervisor (``local_processes``) with a live p
 ``DIR/final/`` and draw ``DIR/plot.png``.
 
 Exit status: 0 the run succeeded; 1 a role failed (named, with its last log lines; checkpoints stay on
-disk for ``--resume``); 2 bad input; 130/143 interrupted by SIGINT/SIGTERM (every child is stopped).
+disk for ``--resume``); 2 bad input; 130/143 interrupted by SIGINT/SIGTERM, 141 when the reader of its
+output went away (every child is stopped).
 
 Threads: a laptop or CI machine has few cores shared by vLLM, the trainer, the router and the
 orchestrator, so every role gets ``OMP_NUM_THREADS=1`` (and MKL/OpenBLAS likewise) unless the caller's
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import socket
@@ -119,6 +121,29 @@ def check_environment(file: str, run_spec: Mapping[str, Any]) -> None:
         if not message.startswith("spec.environment"):
             message = f"spec.environment: {message}"
         raise LocalInputError(f"{file}: {message}") from None
+
+
+def check_gpus(file: str, run_spec: Mapping[str, Any], visible_gpus: int) -> None:
+    """Every GPU the spec asks for per pod must be visible here (pure: the caller counts the GPUs).
+
+    Raises:
+        LocalInputError: naming spec.trainer.gpusPerNode or spec.inference.gpusPerReplica and the fix.
+    """
+    wanted = {"spec.trainer.gpusPerNode": int(run_spec["trainer"]["gpusPerNode"]),
+              "spec.inference.gpusPerReplica": int(run_spec["inference"]["gpusPerReplica"])}
+    short = [f"{field}: {count}" for field, count in wanted.items() if count > visible_gpus]
+    if short:
+        raise LocalInputError(
+            f"{file}: {', '.join(short)} GPU(s) per pod, but this machine shows {visible_gpus}; set "
+            "spec.trainer.gpusPerNode: 0 and spec.inference.gpusPerReplica: 0 to run on CPU "
+            "(examples/rlrun-tiny.yaml does), or run it on a cluster")
+
+
+def count_gpus() -> int:
+    """CUDA devices torch can see here (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def get_model_path(run_spec: Mapping[str, Any], output_dir: Path) -> Path | None:
@@ -277,6 +302,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         name = rlrun["metadata"]["name"]
         output_dir = (args.output_dir or DEFAULT_OUTPUT_ROOT / name).resolve()
         check_environment(args.file, run_spec)
+        check_gpus(args.file, run_spec, count_gpus())
         check_model(args.file, run_spec, output_dir)
         check_output_dir(output_dir, args.resume)
         if args.grace_seconds < 0:
@@ -293,6 +319,21 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     for warning in plan.warnings:
         print(f"warning: {warning}", file=err)
     return run_plan(plan, run_spec, name, output_dir, args.resume, args.grace_seconds, out, err)
+
+
+def get_role_error(log: Path) -> str | None:
+    """The last ``rlrun-runtime ROLE: ...`` error line a role wrote to its log, if any.
+
+    Roles report user errors as one such line (and exit 2); torchrun's own traceback that follows a
+    failed trainer would otherwise bury it.
+    """
+    try:
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    errors = [line.strip() for line in lines if re.match(r"\s*rlrun-runtime [a-z-]+: ", line)
+              and "vllm.entrypoints" not in line]  # the inference role echoes its vLLM command that way too
+    return errors[-1] if errors else None
 
 
 def run_plan(plan: LocalPlan, run_spec: Mapping[str, Any], name: str, output_dir: Path, resume: bool,
@@ -328,6 +369,8 @@ def run_plan(plan: LocalPlan, run_spec: Mapping[str, Any], name: str, output_dir
         become_subreaper()
         print(f"starting {len(plan.processes)} processes ({', '.join(p.name for p in plan.processes)}); "
               f"logs in {output_dir / 'logs'}", file=out, flush=True)
+        print("waiting for the inference servers and the first batch (vLLM starts in about 30-90 s on CPU) ...",
+              file=out, flush=True)
         orchestrators = plan.by_component(c.COMPONENT_ORCHESTRATOR)
         port = orchestrators[0].env.get(c.ENV_METRICS_PORT) if orchestrators else None
         supervisor = Supervisor(plan.processes, cwd=Path.cwd(), grace_seconds=grace_seconds)
@@ -339,6 +382,9 @@ def run_plan(plan: LocalPlan, run_spec: Mapping[str, Any], name: str, output_dir
             display.update(supervisor.exits())
     except KeyboardInterrupt:  # Ctrl-C while the model is being built: no role has started yet
         received.append(signal.SIGINT)
+    except BrokenPipeError:  # the reader of our output went away (`| head`): the roles are stopped by now
+        received.append(signal.SIGPIPE)
+        out = open(os.devnull, "w")  # noqa: SIM115 (nothing more can reach the closed pipe)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -357,6 +403,9 @@ def run_plan(plan: LocalPlan, run_spec: Mapping[str, Any], name: str, output_dir
     print(f"rlrun local: run {name} failed: {outcome.reason}", file=err)
     if outcome.failed:
         log = next(p.log_path for p in plan.processes if p.name == outcome.failed)
+        cause = get_role_error(log)
+        if cause:  # the role's own one-line error (rlrun-runtime ROLE: field: what; fix), above any traceback
+            print(f"cause: {cause}", file=err)
         print(f"last lines of {log}:", file=err)
         for line in outcome.log_tail:
             print(f"  {line}", file=err)

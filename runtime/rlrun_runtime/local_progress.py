@@ -128,7 +128,8 @@ def get_progress(rows: Sequence[Mapping[str, Any]], orchestrator: Mapping[str, f
         mismatch_kl=_number(last, "mismatch_kl"),
         tokens_per_second=_number(last, "tokens_per_second"),
         loaded_version=loaded_version,
-        policy_lag=step - loaded_version if loaded_version is not None else None,
+        # the step (metrics.jsonl) and the loaded version (a scrape) are read apart: never show a lag below 0
+        policy_lag=max(0, step - loaded_version) if loaded_version is not None else None,
         weight_update_in_flight=bool(orchestrator.get(c.METRIC_WEIGHT_UPDATE_IN_FLIGHT, 0)),
         eta_seconds=eta,
         elapsed_seconds=now - started_at,
@@ -156,7 +157,7 @@ def render_line(progress: Progress) -> str:
         f"reward {_fmt(progress.reward, '.3f')}",
         f"mismatch_kl {_fmt(progress.mismatch_kl, '.4f')}",
         f"tokens/s {_fmt(progress.tokens_per_second, '.0f')}",
-        f"lag {progress.policy_lag if progress.policy_lag is not None else '-'}",
+        f"lag {progress.policy_lag if progress.policy_lag is not None else '?'}",
         f"elapsed {format_duration(progress.elapsed_seconds)}",
         f"eta {format_duration(progress.eta_seconds)}",
     ]
@@ -289,7 +290,7 @@ class ProgressDisplay:
             table.add_row("reward", _fmt(progress.reward, ".3f"))
             table.add_row("mismatch KL", _fmt(progress.mismatch_kl, ".4f"))
             table.add_row("tokens/s", _fmt(progress.tokens_per_second, ".0f"))
-            lag = "-" if progress.policy_lag is None else f"{progress.policy_lag} (servers at v{progress.loaded_version})"
+            lag = "? (orchestrator not reachable yet)" if progress.policy_lag is None else f"{progress.policy_lag} (servers at v{progress.loaded_version})"
             table.add_row("policy lag", lag + (" loading weights" if progress.weight_update_in_flight else ""))
             table.add_row("elapsed / eta", f"{format_duration(progress.elapsed_seconds)} / "
                                            f"{format_duration(progress.eta_seconds)}")
