@@ -41,7 +41,6 @@ from typing import Any, AsyncIterator
 import jsonpatch
 import kmock
 import kopf
-import kubernetes_validate
 from kmock._internal import enums
 
 from rlrun_operator import constants
@@ -145,6 +144,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self.revision = 0
         self.check_kinds = False
+        self.foreground: set[Any] = set()  # keys of objects in foreground deletion
         self.writes: list[Write] = []
         self.write_lock = asyncio.Lock()
         self.routing: list[kmock.Request] = []
@@ -222,6 +222,7 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                           and not self.objects[key].raw.get("metadata", {}).get("deletionTimestamp")
                           and self._has_dependents(gone_uid))
             if foreground:
+                self.foreground.add(key)
                 meta = self.objects[key].raw.get("metadata", {})
                 self.objects[key].patch({"metadata": {
                     "finalizers": [*(meta.get("finalizers") or []), FOREGROUND_FINALIZER],
@@ -233,7 +234,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
                 await self._collect_garbage(gone_uid)
             elif gone_uid and (key not in self.objects or self.objects[key].deleted):
                 await self._collect_garbage(gone_uid)
-            await self._finish_foreground()
+            if self.foreground:
+                await self._finish_foreground()
             return response
 
     def _has_dependents(self, owner_uid: str) -> bool:
@@ -245,10 +247,15 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         """Delete the objects in foreground deletion whose dependents are all gone (then collect theirs)."""
         done: list[str] = []
         async with self._lock:
-            for (resource, _, _), obj in list(self.objects.items()):
+            for key in list(self.foreground):
+                (resource, _, _), obj = key, self.objects[key]
                 meta = {} if obj.deleted else (obj.raw.get("metadata") or {})
-                if FOREGROUND_FINALIZER not in (meta.get("finalizers") or []) or self._has_dependents(meta["uid"]):
+                if FOREGROUND_FINALIZER not in (meta.get("finalizers") or []):
+                    self.foreground.discard(key)
                     continue
+                if self._has_dependents(meta["uid"]):
+                    continue
+                self.foreground.discard(key)
                 rest = [f for f in meta["finalizers"] if f != FOREGROUND_FINALIZER]
                 if rest:
                     obj.patch({"metadata": {"finalizers": rest, "resourceVersion": self._next_revision()}})
@@ -280,6 +287,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         """Raise 422 Invalid for a built-in object the official schema refuses (when ``check_kinds``)."""
         if not self.check_kinds or kind not in CHECKED_KINDS:
             return
+        import kubernetes_validate  # here: the benchmark uses this module without it (check_kinds off)
+
         try:
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:

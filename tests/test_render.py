@@ -523,6 +523,19 @@ def test_config_map_holds_the_defaulted_run_without_labels_or_status():
     assert apply_defaults(document) == document  # already defaulted: the runtime sees every value
 
 
+@pytest.mark.parametrize("key", sorted(VARIANTS))
+def test_config_map_text_is_what_pyyaml_itself_writes(key):
+    """render_config uses libyaml's emitter for speed; the text must not depend on which one is installed
+    (the ConfigMap's spec hash would change with it)."""
+    from rlrun_operator.render_config import get_config_document
+
+    rlrun = defaulted(VARIANTS[key])
+    (config_map,) = [o for o in render(rlrun) if o["kind"] == "ConfigMap"]
+    expected = yaml.dump(get_config_document(rlrun), Dumper=yaml.SafeDumper, sort_keys=True,
+                         default_flow_style=False)
+    assert config_map["data"]["rlrun.yaml"] == expected
+
+
 # --- suspend, determinism, config hash -----------------------------------------------------------
 
 def test_suspend_scales_every_workload_to_zero_and_keeps_storage():

@@ -131,6 +131,7 @@ async def reconcile_run(api: KubeApi, rlrun: dict[str, Any], trigger: str, prune
             manifests = render(defaulted, operator_namespace=operator_namespace)
         except (RenderError, SizingError) as exc:
             return ReconcileResult(invalid=[str(exc)])
+        remember_children(rlrun, manifests)
         suspended = bool(defaulted["spec"].get("suspend"))
         applied = get_finished_manifests(manifests) if finished else manifests
         try:
@@ -175,13 +176,22 @@ def get_expected_children(rlrun: dict[str, Any]) -> frozenset[tuple[str, str]]:
     found = _EXPECTED.get(key) if None not in key else None
     if found is None:
         try:
-            found = frozenset((m["kind"], m["metadata"]["name"]) for m in render(get_defaulted(rlrun)))
+            found = remember_children(rlrun, render(get_defaulted(rlrun)))
         except (RenderError, SizingError, KeyError, TypeError, ValueError):
             found = frozenset()
-        if None not in key:
-            if len(_EXPECTED) >= _DEFAULTED_SPECS_MAX:
-                _EXPECTED.clear()
-            _EXPECTED[key] = found
+    return found
+
+
+def remember_children(rlrun: dict[str, Any], manifests: list[dict[str, Any]]) -> frozenset[tuple[str, str]]:
+    """Record the (kind, name) of ``manifests``, the render of ``rlrun``, for get_expected_children (so
+    the status timer does not render the run again); returns them."""
+    found = frozenset((m["kind"], m["metadata"]["name"]) for m in manifests)
+    meta = rlrun.get("metadata") or {}
+    key = (meta.get("uid"), meta.get("generation"))
+    if None not in key:
+        if len(_EXPECTED) >= _DEFAULTED_SPECS_MAX:
+            _EXPECTED.clear()
+        _EXPECTED[key] = found
     return found
 
 
