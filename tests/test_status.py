@@ -185,11 +185,10 @@ def test_vllm_args_change_patches_inference_pools_only_and_never_sends_replicas(
     plans = {(m["kind"], m["metadata"]["name"]): (m, plan_child(m, live[(m["kind"], m["metadata"]["name"])], False))
              for m in render(changed)}
     patched = sorted(key for key, (_, plan) in plans.items() if plan.action != "none")
-    # The orchestrator's config hash covers the inference section too (render_config), so its Job is
-    # replaced; trainer, router and Services are untouched.
-    assert patched == [("ConfigMap", "r-config"), ("Deployment", "r-decode"), ("Deployment", "r-prefill"),
-                       ("Job", "r-orchestrator")]
-    assert plans[("Job", "r-orchestrator")][1].action == "replace"
+    # The orchestrator does not read vllmArgs (its config hash leaves them out, render_config), so its Job
+    # is kept, like trainer, router and Services.
+    assert patched == [("ConfigMap", "r-config"), ("Deployment", "r-decode"), ("Deployment", "r-prefill")]
+    assert plans[("Job", "r-orchestrator")][1].action == "none"
     manifest, plan = plans[("Deployment", "r-decode")]
     assert plan.ops[0] == {"op": "test", "path": "/metadata/resourceVersion", "value": "1"}
     assert not any(op["path"] == "/spec/replicas" for op in plan.ops)
