@@ -320,7 +320,7 @@ def test_orchestrator_job_reaches_router_and_every_inference_pool():
     job = one(objects, "Job", "qwen3-4b-math-orchestrator")
     assert job["spec"]["suspend"] is False
     assert job["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"
-    assert 1 <= job["spec"]["backoffLimit"] <= 10
+    assert 0 < job["spec"]["backoffLimit"] <= 10
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["rlrun-runtime", "orchestrator", "--config", "/etc/rlrun/rlrun.yaml"]
     env = env_of(container)

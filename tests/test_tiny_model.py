@@ -200,7 +200,7 @@ def test_vllm_serves_the_tiny_model_on_cpu(model_dir, tmp_path):
         assert len(reply["choices"]) == 4
         for choice in reply["choices"]:
             tokens = choice["logprobs"]["tokens"]
-            assert 1 <= len(tokens) <= 8
+            assert 0 < len(tokens) <= 8
             assert all(lp is not None and lp <= 0.0 for lp in choice["logprobs"]["token_logprobs"])
         greedy = _post(f"http://127.0.0.1:{port}/v1/completions", {
             "model": constants.SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0.0})
