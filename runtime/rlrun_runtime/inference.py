@@ -28,6 +28,7 @@ import yaml
 
 from rlrun_operator import constants
 from rlrun_operator.spec import apply_defaults
+from rlrun_runtime.role_exec import exec_server
 from rlrun_runtime.storage import RunStorage, list_steps
 from rlrun_runtime.vllm_worker import EXTENSION_QUALNAME
 
@@ -177,10 +178,5 @@ def main(argv: list[str]) -> int:
     except InferenceConfigError as err:
         print(f"rlrun-runtime inference: {err}", file=sys.stderr)
         return 2
-    command = [sys.executable, "-m", VLLM_MODULE, *args]
-    print("rlrun-runtime inference: " + " ".join(command), file=sys.stderr, flush=True)
-    if ns.dry_run:
-        print(json.dumps(command))
-        return 0
-    os.execvpe(command[0], command, get_vllm_env(env))
+    return exec_server("inference", [sys.executable, "-m", VLLM_MODULE, *args], get_vllm_env(env), ns.dry_run)
     return 1  # unreachable

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 from rlrun_operator import constants
 from rlrun_runtime.inference import InferenceConfigError, load_spec
+from rlrun_runtime.role_exec import exec_server
 
 ROUTER_MODULE = "vllm_router.launch_router"
 DISCOVERY_MODES = ("kubernetes", "static")
@@ -120,10 +121,5 @@ def main(argv: list[str]) -> int:
     except InferenceConfigError as err:
         print(f"rlrun-runtime router: {err}", file=sys.stderr)
         return 2
-    command = [sys.executable, "-m", ROUTER_MODULE, *args]
-    print("rlrun-runtime router: " + " ".join(command), file=sys.stderr, flush=True)
-    if ns.dry_run:
-        print(" ".join(command))
-        return 0
-    os.execvpe(command[0], command, dict(os.environ))
+    return exec_server("router", [sys.executable, "-m", ROUTER_MODULE, *args], os.environ, ns.dry_run)
     return 1  # unreachable
