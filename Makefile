@@ -30,5 +30,5 @@ test: install
 	$(BIN)/python -m pytest -q
 
 sync-crd:
-	cp crds/rlrun.yaml operator/rlrun_operator/data/rlrun.yaml
+	cp crds/rlrun.yaml api/rlrun_api/data/rlrun.yaml
 	cp crds/rlrun.yaml charts/rlrun-operator/crds/rlrun.yaml

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from kube import FidelityEmulator  # noqa: E402  (tests/kube.py: the kmock fidelity layer)
 
-from rlrun_operator import constants  # noqa: E402
+from rlrun_api import constants  # noqa: E402
 from rlrun_operator.kubeapi import KubeApi, get_api_client  # noqa: E402
 
 CHILD_KINDS = {"ConfigMap", "PersistentVolumeClaim", "ServiceAccount", "Role", "RoleBinding", "Service",

@@ -43,7 +43,7 @@ import kmock
 import kopf
 from kmock._internal import enums
 
-from rlrun_operator import constants
+from rlrun_api import constants
 from rlrun_operator.handlers import get_registry
 from rlrun_operator.kubeapi import KINDS, KubeApi, get_api_client
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlrun_operator import constants
+from rlrun_api import constants
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "rlrun-operator"

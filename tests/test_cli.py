@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from conftest import EXAMPLES, ROOT
-from rlrun_operator import __version__
+from rlrun_api import __version__
 
 RLRUN = Path(sys.executable).parent / "rlrun"
 TINY = ROOT / "examples" / "rlrun-tiny.yaml"
@@ -116,7 +116,8 @@ def test_render_prints_manifests_in_the_default_namespace() -> None:
 
 
 def test_render_prints_what_the_operator_creates_with_its_spec_hash() -> None:
-    from rlrun_operator import apply, constants, spec
+    from rlrun_api import constants, spec
+    from rlrun_operator import apply
     from rlrun_operator.render import render
 
     result = rlrun("render", TINY)

@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from conftest import EXAMPLES, ROOT
-from rlrun_operator import cel, constants, spec, validation
+from rlrun_api import cel, constants, documents, spec, validation
 
 CRD_PATH = ROOT / "crds" / "rlrun.yaml"
-PACKAGED_PATH = ROOT / "operator" / "rlrun_operator" / "data" / "rlrun.yaml"
+PACKAGED_PATH = ROOT / "api" / "rlrun_api" / "data" / "rlrun.yaml"
 CRD = yaml.safe_load(CRD_PATH.read_text())
 SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
@@ -164,13 +164,13 @@ def test_rule_catches_a_bad_cel_expression() -> None:
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_example_validates_without_errors(path) -> None:
-    docs = validation.load_documents(path)
+    docs = documents.load_documents(path)
     for doc in docs:
         assert validation.validate(doc) == []
 
 
 def test_examples_cover_disaggregation_and_cpu() -> None:
-    docs = {p.name: validation.load_documents(p)[0] for p in EXAMPLES}
+    docs = {p.name: documents.load_documents(p)[0] for p in EXAMPLES}
     assert docs["rlrun-complete.yaml"]["spec"]["inference"]["disaggregation"]["enabled"] is True
     assert docs["rlrun-tiny.yaml"]["spec"]["trainer"]["gpusPerNode"] == 0
 

@@ -20,16 +20,20 @@ from typing import Any
 import pytest
 import yaml
 
-from rlrun_operator import constants as c
+from rlrun_api import constants as c
 from rlrun_runtime.local_processes import read_process_table
+from rlrun_runtime.local_progress import get_reward_summary, render_summary
 from rlrun_runtime.storage import RunStorage, list_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "rlrun-tiny.yaml"
 RLRUN = [str(Path(sys.executable).parent / "rlrun")]
 
-# Bounds asserted on every run of the embedded default (docs/local.md explains them):
-REWARD_MARGIN = 0.1            # issue: last fifth of steps beats the first fifth by at least this much
+# Bounds asserted on every run of the embedded default (docs/local.md explains them). The learning bounds
+# are half of what the 3-seed benchmark measured (benchmarks/README.md), far from the run-to-run noise, and
+# counted per step, not per second, so a slow or loaded machine does not change the verdict.
+REWARD_MARGIN = 0.12           # last fifth of steps beats the first fifth by at least this much
+EXACT_MATCH_LAST_FIFTH = 0.25  # exact reversals among the last fifth's rollouts
 FIRST_STEP_MISMATCH_KL = 1e-3  # step 1 trains on rollouts of policy 0 with policy 0: numerics only
 ON_POLICY_MISMATCH_KL = 1e-3   # every step's mismatch_kl_on_policy (samples of policy step - 1 only; null when none):
                                # numerics only; measured <= 5e-9 on 3 of 60 steps (float32, CPU, 2026-11-29)
@@ -82,7 +86,7 @@ def run_local(path: Path, out_dir: Path, *extra: str, timeout: float = 600) -> s
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_embedded_default_learns(seed: int, tmp_path: Path) -> None:
-    """Reward rises by >= 0.1 (last fifth vs first fifth), vLLM serves every trainer step's weights."""
+    """Reward rises (last fifth vs first fifth), exact reversals appear, vLLM serves every step's weights."""
     path = write_run(tmp_path, **{"environment.seed": seed})
     max_steps = yaml.safe_load(path.read_text())["spec"]["algorithm"]["maxSteps"]
     out_dir = tmp_path / "out"
@@ -94,11 +98,12 @@ def test_embedded_default_learns(seed: int, tmp_path: Path) -> None:
     rows = read_jsonl(out_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, max_steps + 1))
     assert [r["policy_version"] for r in rows] == list(range(1, max_steps + 1))
-    rewards = [r["reward_mean"] for r in rows]
-    fifth = max_steps // 5
-    first, last = mean(rewards[:fifth]), mean(rewards[-fifth:])
-    print(f"seed {seed}: reward first fifth {first:.3f}, last fifth {last:.3f}, {elapsed:.0f} s wall")
-    assert last - first >= REWARD_MARGIN, rewards
+    summary = get_reward_summary(rows)
+    print(f"seed {seed}: {render_summary(summary)}; {elapsed:.0f} s wall")
+    assert summary.steps == max_steps
+    assert summary.gain >= REWARD_MARGIN, [r["reward_mean"] for r in rows]
+    assert summary.exact_last_fifth >= EXACT_MATCH_LAST_FIFTH, [r["exact_match_rate"] for r in rows]
+    assert render_summary(summary) in proc.stdout  # the closing summary line shows the same fifth-averages
 
     kls = [r["mismatch_kl"] for r in rows]
     assert kls[0] <= FIRST_STEP_MISMATCH_KL, kls[:3]
@@ -115,7 +120,8 @@ def test_embedded_default_learns(seed: int, tmp_path: Path) -> None:
     assert versions == sorted(set(versions)) and versions[-1] == max_steps
     for update in updates:
         assert set(update["reported_version"].values()) == {update["version"]}, update
-    assert all(max(u["latency_ms"].values()) < 1000 for u in updates)
+    # no update stalled (the p50/p99 targets are the benchmark's: a loaded machine must not flip this test)
+    assert all(max(u["latency_ms"].values()) < 60_000 for u in updates)
 
     assert (out_dir / "final" / "model.safetensors").is_file()
     assert (out_dir / "plot.png").read_bytes()[:4] == b"\x89PNG"

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from rlrun_operator import constants
+from rlrun_api import constants
 from rlrun_runtime.environments import EnvironmentSpecError, ReverseWords, Task, load_environment
 from rlrun_runtime.environments.builtin import WORDS, sequence_score
 

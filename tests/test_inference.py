@@ -11,9 +11,10 @@ import sys
 import httpx
 import pytest
 
-from rlrun_operator import constants
-from rlrun_operator.spec import apply_defaults
-from rlrun_runtime.inference import InferenceConfigError, get_served_weights, get_vllm_args, get_vllm_env
+from rlrun_api import constants
+from rlrun_api.spec import apply_defaults
+from rlrun_runtime.role import RoleConfigError
+from rlrun_runtime.inference import get_served_weights, get_vllm_args, get_vllm_env
 from rlrun_runtime.storage import RunStorage
 from vllm_role import inference_server, role_env, tiny_rlrun, write_config
 
@@ -94,7 +95,7 @@ def test_user_vllm_args_come_last_and_win(vllm_parser):
 
 
 def test_unknown_role_names_the_env_var():
-    with pytest.raises(InferenceConfigError, match=constants.ENV_INFERENCE_ROLE):
+    with pytest.raises(RoleConfigError, match=constants.ENV_INFERENCE_ROLE):
         get_vllm_args(spec_of(tiny_rlrun()), "kv_both", "m", 1)
 
 

@@ -18,14 +18,15 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from rlrun_operator import constants as c
-from rlrun_operator import render, spec
+from rlrun_api import constants as c
+from rlrun_api import spec
+from rlrun_operator import render
 from rlrun_runtime import local
 from rlrun_runtime.kube_expansion import expand
 from rlrun_runtime.local_plan import LOCAL_HOST, LocalPaths, ProcessSpec, get_local_plan
 from rlrun_runtime.local_processes import Supervisor, get_outcome, read_process_table
-from rlrun_runtime.local_progress import (MetricsTail, get_progress, parse_metrics_lines, parse_prometheus,
-                                          render_line)
+from rlrun_runtime.local_progress import (MetricsTail, ProgressDisplay, get_progress, get_reward_summary,
+                                          parse_metrics_lines, parse_prometheus, render_line, render_summary)
 from rlrun_runtime.plot import get_plot_series, render_plot
 from rlrun_runtime.storage import RunStorage
 
@@ -515,8 +516,6 @@ def test_cli_bad_input_has_no_traceback(tiny_rlrun, tmp_path):
 
 
 def test_plain_progress_prints_one_line_per_new_step(tmp_path):
-    from rlrun_runtime.local_progress import ProgressDisplay
-
     metrics = tmp_path / "metrics.jsonl"
     rows = _rows(3)
     metrics.write_text(json.dumps(rows[0]) + "\n")  # a resumed run's earlier step
@@ -531,6 +530,64 @@ def test_plain_progress_prints_one_line_per_new_step(tmp_path):
     assert [line.split(" reward")[0] for line in lines] == ["step 1/3", "step 2/3", "step 3/3"]
     assert progress.step == 3 and display.step_times.keys() == {2, 3}  # step 1 is not timed
     assert progress.eta_seconds is None  # steps 2 and 3 arrived in one poll: no timing yet
+
+
+def test_metrics_tail_rereads_a_replaced_file(tmp_path):
+    """A resumed trainer rewrites metrics.jsonl without the steps it trains again: the tail follows it."""
+    path = tmp_path / "metrics.jsonl"
+    rows = _rows(5)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tail = MetricsTail(path)
+    assert len(tail.poll()) == 5
+    replacement = tmp_path / "metrics.tmp"
+    replacement.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    os.replace(replacement, path)  # what checkpoint.truncate_metrics does (atomic_write_text)
+    assert [r["step"] for r in tail.poll()] == [1, 2, 3]
+    assert [r["step"] for r in tail.rows] == [1, 2, 3]
+
+
+def test_display_of_a_resume_starts_at_the_checkpoint_step(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in _rows(6)))  # steps 5, 6 will be trained again
+    display = ProgressDisplay(metrics, None, 10, [], io.StringIO(), resume_step=4)
+    assert display.update().step == 4
+
+
+def test_no_reward_is_shown_before_the_first_step():
+    scraped = {c.METRIC_STEP: 0.0, c.METRIC_POLICY_VERSION: 0.0, c.METRIC_LAST_REWARD: 0.0}
+    progress = get_progress([], scraped, max_steps=10, step_times={}, started_at=0.0, now=1.0)
+    assert progress.reward is None and "reward -" in render_line(progress)
+
+
+def test_display_keeps_the_last_scrape_after_the_orchestrator_exits(tmp_path, monkeypatch):
+    from rlrun_runtime import local_progress
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in _rows(3)))
+    answers = iter([{c.METRIC_STEP: 3.0, c.METRIC_POLICY_VERSION: 3.0}, {}])
+    monkeypatch.setattr(local_progress, "scrape", lambda url: next(answers))
+    display = ProgressDisplay(metrics, "http://127.0.0.1:1/metrics", 3, ["orchestrator"], io.StringIO())
+    assert display.update().policy_lag == 0
+    final = display.update({"orchestrator": 0})  # gone after a clean finish
+    assert final.policy_lag == 0 and final.loaded_version == 3
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=100)
+    console.print(display._renderable())
+    shown = console.file.getvalue()
+    assert re.search(r"policy lag +0 \(servers at v3\)", shown) and "not reachable" not in shown
+
+
+def test_reward_summary_uses_fifth_averages():
+    rows = [{"step": s, "reward_mean": s / 10, "exact_match_rate": s / 20} for s in range(1, 11)]
+    rows.append({"step": 10, "reward_mean": 1.0, "exact_match_rate": 0.5})  # a repeated step: the last wins
+    summary = get_reward_summary(rows + [{"step": 11, "reward_mean": None}])
+    assert summary.steps == 10
+    assert summary.first_fifth == pytest.approx(0.15) and summary.last_fifth == pytest.approx(0.95)
+    assert summary.exact_last_fifth == pytest.approx((0.45 + 0.5) / 2)
+    assert render_summary(summary) == (
+        "steps: 10; mean reward first fifth 0.150 -> last fifth 0.950 (+0.800); exact match 8% -> 48%")
+    assert get_reward_summary([{"step": 1}]) is None
 
 
 def _processes_of_run(storage_dir: Path) -> list[int]:

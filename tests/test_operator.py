@@ -22,11 +22,11 @@ import yaml
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from kube import FidelityEmulator, run_operator, serve_kubernetes, wait_for
-from rlrun_operator import constants
+from rlrun_api import constants
 from rlrun_operator import metrics as operator_metrics
 from rlrun_operator.kubeapi import KubeApi, get_api_client
 from rlrun_operator.render import render
-from rlrun_operator.spec import apply_defaults
+from rlrun_api.spec import apply_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERVAL = 0.5  # status refresh interval of the operator under test, seconds

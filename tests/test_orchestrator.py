@@ -17,9 +17,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rlrun_operator import constants
+from rlrun_api import constants
 from rlrun_runtime.orchestrator import get_resume_point, render_prompt
-from rlrun_runtime.rollouts import Completion, Group, assemble_batch, get_completion_request, parse_completion_choice
+from rlrun_runtime.rollouts import (Completion, Group, assemble_batch, get_completion_request, get_exact_match_rate,
+                                   parse_completion_choice, plan_group_count)
 from rlrun_runtime.staleness import is_stale, may_generate, min_version_for_step, staleness
 from rlrun_runtime.storage import RunStorage, atomic_directory
 from vllm_role import LOOPBACK, free_port, inference_server, role_env, stop_group, tiny_rlrun, write_config
@@ -121,6 +122,25 @@ def test_batch_of_whole_groups_with_group_baseline():
                           "reward": 1.0, "advantage": 0.5, "policy_version": 0, "group": 0}
     assert out.batch["policy_versions"] == [0] and out.batch["step"] == 1
     assert out.batch["reward_mean"] == pytest.approx(0.5)
+
+
+def test_exact_match_rate_counts_full_rewards_only():
+    groups = [group(0, 0, [1.0, 1.0, 1.0, 1.0]), group(1, 0, [1.0, 0.99, 0.0, 0.5])]
+    out = assemble_batch(1, groups, batch_size=8, max_off_policy_steps=0)
+    assert out.batch["exact_match_rate"] == pytest.approx(5 / 8)  # the dropped all-right group counts too
+    assert get_exact_match_rate([]) is None
+
+
+@pytest.mark.parametrize("missing, group_size, rate, expected", [
+    (128, 8, 1.0, 16), (128, 8, 0.8, 20), (128, 8, 0.1, 32), (128, 8, 1.7, 16), (5, 8, 1.0, 1), (0, 8, 0.5, 0),
+    (-3, 8, 1.0, 0), (24, 8, 0.75, 4)])
+def test_plan_group_count(missing, group_size, rate, expected):
+    assert plan_group_count(missing, group_size, rate) == expected
+
+
+def test_plan_group_count_rejects_empty_groups():
+    with pytest.raises(ValueError, match="group_size"):
+        plan_group_count(8, 0, 1.0)
 
 
 def test_stale_groups_are_dropped_and_counted():
@@ -421,7 +441,7 @@ def paths(handler) -> list[str]:
 
 
 def test_weight_loop_reconciles_every_engine(tmp_path, fake_engines):
-    from rlrun_operator.spec import apply_defaults
+    from rlrun_api.spec import apply_defaults
     from rlrun_runtime.orchestrator import Orchestrator
     from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
 
@@ -491,7 +511,7 @@ class StandInTokenizer:
 
 @pytest.mark.parametrize("disaggregated, expected_n", [(False, [4]), (True, [1, 1, 1, 1])])
 def test_a_group_is_one_request_with_n_choices_unless_disaggregated(tmp_path, fake_engines, disaggregated, expected_n):
-    from rlrun_operator.spec import apply_defaults
+    from rlrun_api.spec import apply_defaults
     from rlrun_runtime.orchestrator import Orchestrator
     from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
 
@@ -533,7 +553,7 @@ class SlowReloadEngine(FakeEngineHandler):
 
 def test_no_request_is_stamped_with_the_old_version_during_a_weight_update(tmp_path, fake_engines):
     """A group started while an update is in flight waits for it, then carries the new version's stamp."""
-    from rlrun_operator.spec import apply_defaults
+    from rlrun_api.spec import apply_defaults
     from rlrun_runtime.orchestrator import Orchestrator
     from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
 
@@ -569,7 +589,7 @@ def test_no_request_is_stamped_with_the_old_version_during_a_weight_update(tmp_p
 
 def test_published_versions_going_down_keep_the_loaded_version_until_it_is_republished(tmp_path, fake_engines):
     """A trainer resumed from checkpoint 1 while version 3 is loaded (docs/orchestrator.md, after a resume)."""
-    from rlrun_operator.spec import apply_defaults
+    from rlrun_api.spec import apply_defaults
     from rlrun_runtime.orchestrator import Orchestrator
     from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
 

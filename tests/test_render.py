@@ -2,7 +2,7 @@
 
 Every rendered object is checked against the official Kubernetes schemas with kubernetes-validate in
 strict mode (unknown fields are errors), pinned to K8S_VERSION. The RLRun variants used here are first
-checked to be valid RLRuns (CRD schema + CEL rules, rlrun_operator.validation), so the tests only feed
+checked to be valid RLRuns (CRD schema + CEL rules, rlrun_api.validation), so the tests only feed
 the renderer what the API server would accept.
 """
 
@@ -27,12 +27,12 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlrun_operator import constants as c
+from rlrun_api import constants as c
 from rlrun_operator import render as render_module
 from rlrun_operator.render import RESERVED_ENV_NAMES, RenderError, get_child_names, get_config_hash, render
-from rlrun_operator.sizing import size_pd
-from rlrun_operator.spec import apply_defaults
-from rlrun_operator.validation import validate
+from rlrun_api.sizing import size_pd
+from rlrun_api.spec import apply_defaults
+from rlrun_api.validation import validate
 
 # The newest Kubernetes version kubernetes-validate 1.37.0 ships schemas for.
 K8S_VERSION = "1.37.0"

@@ -8,9 +8,10 @@ import sys
 import pytest
 from vllm_router.launch_router import parse_router_args
 
-from rlrun_operator import constants
-from rlrun_operator.spec import apply_defaults
-from rlrun_runtime.router import RouterConfigError, get_router_args
+from rlrun_api import constants
+from rlrun_api.spec import apply_defaults
+from rlrun_runtime.role import RoleConfigError
+from rlrun_runtime.router import get_router_args
 from vllm_role import role_env, tiny_rlrun, write_config
 
 
@@ -85,13 +86,13 @@ def test_defaults_ports_from_constants_and_user_args_last():
     ({constants.ENV_ROUTER_DISCOVERY: "kubernetes", constants.ENV_RUN_NAME: "r"}, constants.ENV_NAMESPACE),
 ])
 def test_missing_or_bad_env_names_the_variable(env, field):
-    with pytest.raises(RouterConfigError, match=field):
+    with pytest.raises(RoleConfigError, match=field):
         get_router_args(spec(), env)
 
 
 def test_static_disaggregated_needs_both_url_lists():
     env = {constants.ENV_ROUTER_DISCOVERY: "static", constants.ENV_PREFILL_URLS: "http://p:1"}
-    with pytest.raises(RouterConfigError, match=constants.ENV_DECODE_URLS):
+    with pytest.raises(RoleConfigError, match=constants.ENV_DECODE_URLS):
         get_router_args(spec(disaggregated=True), env)
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlrun_operator.sizing import PDSize, SizingError, parse_ratio, size_pd
+from rlrun_api.sizing import PDSize, SizingError, parse_ratio, size_pd
 
 
 @pytest.mark.parametrize("ratio,replicas,expected", [

@@ -16,11 +16,11 @@ import yaml
 from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from rlrun_operator import constants
+from rlrun_api import constants
 from rlrun_operator.apply import get_spec_hash, plan_child, plan_prune
 from rlrun_operator.observe import get_pod_targets, get_progress
 from rlrun_operator.render import render
-from rlrun_operator.spec import apply_defaults
+from rlrun_api.spec import apply_defaults
 from rlrun_operator.status import Progress, get_status, get_status_patch
 
 ROOT = Path(__file__).resolve().parents[1]

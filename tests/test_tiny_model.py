@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlrun_operator import constants
+from rlrun_api import constants
 from rlrun_runtime import tiny_model
 from rlrun_runtime.environments import load_environment
 from rlrun_runtime.environments.builtin import WORDS

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from rlrun_runtime.checkpoint import find_latest_checkpoint, truncate_metrics
 from rlrun_runtime.storage import RunStorage, atomic_write_json
-from rlrun_operator.spec import apply_defaults
+from rlrun_api.spec import apply_defaults
 from rlrun_runtime.trainer import get_lr_factor, get_unsupported_fields
 from tiny_qwen3 import VOCAB, save_model_dir
 

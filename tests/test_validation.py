@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import ROOT
-from rlrun_operator import constants, spec, validation
-from rlrun_operator.validation import FieldError, SpecFileError, load_documents, validate
+from rlrun_api import constants, names, spec, validation
+from rlrun_api.documents import SpecFileError, load_documents
+from rlrun_api.validation import FieldError, validate
 
 DELETE = object()
 
@@ -235,9 +236,9 @@ def test_field_error_str() -> None:
 
 
 def test_max_name_length_follows_the_statefulset_limit_and_the_crd_enforces_it() -> None:
-    assert validation.max_name_length() == constants.STATEFULSET_NAME_MAX_LENGTH - len("-trainer") == 44
+    assert names.MAX_RUN_NAME_LENGTH == constants.STATEFULSET_NAME_MAX_LENGTH - len("-trainer") == 44
     name_schema = spec.crd_schema()["properties"]["metadata"]["properties"]["name"]
-    assert name_schema["maxLength"] == validation.max_name_length()
+    assert name_schema["maxLength"] == names.MAX_RUN_NAME_LENGTH
     assert name_schema["pattern"] == "^[a-z]([-a-z0-9]*[a-z0-9])?$"  # DNS-1035 label (Kubernetes API conventions)
 
 
@@ -331,7 +332,7 @@ def test_load_documents_reads_every_rlrun_of_a_stream(tmp_path) -> None:
 # --- the CEL walker on shapes the CRD does not use yet ---------------------------------------------
 
 def test_cel_rules_on_list_items_and_map_values_with_message_expression() -> None:
-    from rlrun_operator import cel
+    from rlrun_api import cel
 
     schema = {"type": "object", "properties": {
         "pools": {"type": "array", "items": {
@@ -352,7 +353,7 @@ def test_cel_rules_on_list_items_and_map_values_with_message_expression() -> Non
 
 
 def test_rule_that_cannot_be_evaluated_is_an_error_not_an_exception() -> None:
-    from rlrun_operator import cel
+    from rlrun_api import cel
 
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {}, "x-kubernetes-validations": [
         {"rule": "self.missing > 0", "message": "set missing"}]}}}
@@ -365,7 +366,7 @@ def test_rule_that_cannot_be_evaluated_is_an_error_not_an_exception() -> None:
 def test_longest_valid_name_keeps_every_rendered_child_within_kubernetes_limits(tiny_rlrun) -> None:
     from rlrun_operator import render
 
-    name = "a" * validation.max_name_length()
+    name = "a" * names.MAX_RUN_NAME_LENGTH
     rlrun = spec.apply_defaults(mutate(tiny_rlrun, {"metadata.name": name, "metadata.namespace": "default",
                                                     **DISAGG, **GPU_RUN}))
     assert validate(rlrun) == []
@@ -388,7 +389,7 @@ def test_every_unknown_field_is_reported(tiny_rlrun) -> None:
 
 
 def test_cel_conversion_memo_reuses_shared_subtrees_and_changes_nothing(tiny_rlrun) -> None:
-    from rlrun_operator import cel
+    from rlrun_api import cel
 
     run = spec.apply_defaults(tiny_rlrun)
     schema = spec.crd_schema()["properties"]["spec"]

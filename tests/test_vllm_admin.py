@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from rlrun_operator import constants
+from rlrun_api import constants
 from rlrun_runtime.vllm_admin import (EngineError, VLLMAdmin, parse_version, resolve_engines, update_engines,
                                        update_weights_everywhere)
 from vllm_role import LOOPBACK, inference_server, tiny_rlrun, write_config

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import httpx
 import yaml
 
-from rlrun_operator import constants
+from rlrun_api import constants
 
 LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 240.0

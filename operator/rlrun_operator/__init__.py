@@ -1,3 +1,1 @@
-"""rlrun operator: the RLRun API (CRD), its validation and rendering, the kopf operator and the `rlrun` CLI."""
-
-__version__ = "0.1.0"
+"""rlrun operator: the pure renderer (RLRun -> manifests), the apply and status logic, and the kopf operator."""

@@ -28,11 +28,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlrun_operator import constants
+from rlrun_api import constants
 from rlrun_operator.kubeapi import ApiError, KubeApi
 
 # Deployments whose replicas the operator owns after creation (seeded by render).
-SCALED_COMPONENTS = (constants.COMPONENT_INFERENCE, constants.COMPONENT_PREFILL, constants.COMPONENT_DECODE)
 # Kinds a spec change can make obsolete (deleted when no longer rendered). PVCs are never deleted.
 PRUNABLE_KINDS = ("ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Service", "NetworkPolicy",
                   "StatefulSet", "Deployment", "Job")
@@ -63,7 +62,7 @@ class Outcome:
 def is_scaled(manifest: dict[str, Any]) -> bool:
     """True for the Deployments whose replicas the operator keeps after creation (inference/prefill/decode)."""
     labels = manifest.get("metadata", {}).get("labels") or {}
-    return manifest.get("kind") == "Deployment" and labels.get(constants.LABEL_COMPONENT) in SCALED_COMPONENTS
+    return manifest.get("kind") == "Deployment" and labels.get(constants.LABEL_COMPONENT) in constants.POOL_COMPONENTS
 
 
 def _volatile_spec_key(manifest: dict[str, Any]) -> str | None:

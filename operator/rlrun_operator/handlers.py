@@ -31,7 +31,8 @@ from typing import Any, Awaitable, Callable
 import aiohttp
 import kopf
 
-from rlrun_operator import constants, metrics
+from rlrun_api import constants
+from rlrun_operator import metrics
 from rlrun_operator.apply import ApplyConflict
 from rlrun_operator.kubeapi import ApiError, KubeApi, load_api_client
 from rlrun_operator.observe import read_workloads

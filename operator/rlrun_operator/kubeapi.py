@@ -17,7 +17,7 @@ from typing import Any
 
 import kubernetes
 
-from rlrun_operator import constants
+from rlrun_api import constants
 
 DEFAULT_TIMEOUT_S = 10.0
 

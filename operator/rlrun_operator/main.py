@@ -17,7 +17,8 @@ import sys
 import kopf
 from prometheus_client import start_http_server
 
-from rlrun_operator import constants, metrics
+from rlrun_api import constants
+from rlrun_operator import metrics
 from rlrun_operator.handlers import get_registry
 
 

@@ -4,8 +4,7 @@ of its orchestrator and inference pods (HTTP scrapes). Parsing is pure (`get_*`)
 The orchestrator pod is found by the labels instance=<run> and component=orchestrator; its metrics are at
 ``http://<status.podIP>:<constants.ORCHESTRATOR_METRICS_PORT>/metrics`` (metric names in constants). The
 queue depth of an inference pool is the sum of vLLM's ``vllm:num_requests_waiting`` over its running pods,
-scraped at ``http://<podIP>:<constants.INFERENCE_PORT>/metrics``. prometheus_client's text parser drops the
-``_total`` suffix from counter family names, so samples are matched by sample name.
+scraped at ``http://<podIP>:<constants.INFERENCE_PORT>/metrics`` and read with ``rlrun_api.prometheus``.
 """
 
 from __future__ import annotations
@@ -14,32 +13,19 @@ import asyncio
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
-from rlrun_operator import constants
+from rlrun_api import constants
+from rlrun_api.prometheus import get_samples
 from rlrun_operator.kubeapi import KubeApi
 from rlrun_operator.status import Progress
 
 SCRAPE_TIMEOUT_S = 2.0
 WORKLOAD_KINDS = ("StatefulSet", "Deployment", "Job")
-POOL_COMPONENTS = (constants.COMPONENT_INFERENCE, constants.COMPONENT_PREFILL, constants.COMPONENT_DECODE)
 
 
 def get_run_labels(name: str) -> dict[str, str]:
     """Labels that select every child of run ``name`` made by this operator."""
     return {constants.LABEL_INSTANCE: name, constants.LABEL_MANAGED_BY: constants.MANAGED_BY}
-
-
-def get_samples(text: str) -> dict[str, float]:
-    """{sample name: value} of a Prometheus text exposition; samples sharing a name (label sets) are summed.
-
-    Raises ValueError on text that is not in the exposition format.
-    """
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
-    return out
 
 
 def get_progress(text: str) -> Progress:
@@ -69,7 +55,7 @@ def get_pod_targets(pods: list[dict[str, Any]]) -> tuple[str | None, dict[str, l
         component = (pod.get("metadata", {}).get("labels") or {}).get(constants.LABEL_COMPONENT)
         if component == constants.COMPONENT_ORCHESTRATOR:
             orchestrator = f"http://{ip}:{constants.ORCHESTRATOR_METRICS_PORT}/metrics"
-        elif component in POOL_COMPONENTS:
+        elif component in constants.POOL_COMPONENTS:
             pools.setdefault(component, []).append(f"http://{ip}:{constants.INFERENCE_PORT}/metrics")
     return orchestrator, pools
 

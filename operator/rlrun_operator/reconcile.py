@@ -12,12 +12,13 @@ from typing import Any, Callable, Mapping
 
 import aiohttp
 
-from rlrun_operator import apply, constants, metrics, observe, status
+from rlrun_api import constants
+from rlrun_operator import apply, metrics, observe, status
 from rlrun_operator.kubeapi import KubeApi
 from rlrun_operator.render import RenderError, render
-from rlrun_operator.sizing import SizingError
-from rlrun_operator.spec import apply_defaults
-from rlrun_operator.validation import validate
+from rlrun_api.sizing import SizingError
+from rlrun_api.spec import apply_defaults
+from rlrun_api.validation import validate
 
 
 @dataclass

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .constants import DEFAULT_OPERATOR_NAMESPACE
+from rlrun_api.constants import DEFAULT_OPERATOR_NAMESPACE
 from .render_config import get_config_hash, render_config_map
 from .render_inference import get_inference_pools, render_inference
 from .render_metadata import RenderError, check_run_name, get_child_names
 from .render_network import render_network_policy
 from .render_orchestrator import render_orchestrator
-from .render_pod import RESERVED_ENV_NAMES, check_pod_env
+from rlrun_api.constants import RESERVED_ENV_NAMES
+
+from .render_pod import check_pod_env
 from .render_router import render_router, render_router_rbac
 from .render_storage import get_claim_name, render_pvc
 from .render_trainer import render_trainer

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from . import constants as c
+from rlrun_api import constants as c
 from .render_metadata import get_metadata
 
 FieldPath = tuple[str, ...]

@@ -8,10 +8,10 @@ think it owns the children.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from . import constants as c
+from rlrun_api import constants as c
+from rlrun_api.names import DNS_1035_LABEL, MAX_RUN_NAME_LENGTH
 
 
 class RenderError(ValueError):
@@ -32,14 +32,6 @@ CHILD_NAME_SUFFIXES: dict[str, str] = {
     "network-policy": "-" + c.COMPONENT_INFERENCE,
 }
 
-# The longest run name whose children all have valid names: every child name is a DNS-1035 label
-# (<= 63), and the StatefulSet's name is shorter still (constants.STATEFULSET_NAME_MAX_LENGTH). 44 today.
-MAX_RUN_NAME_LENGTH = min(
-    [c.DNS_LABEL_MAX_LENGTH - len(s) for s in c.CHILD_SUFFIXES]
-    + [c.STATEFULSET_NAME_MAX_LENGTH - len(s) for s in c.STATEFULSET_SUFFIXES]
-)
-_DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-
 
 def check_run_name(name: Any) -> str:
     """Return ``name`` if every child name derived from it is valid, else raise RenderError.
@@ -49,7 +41,7 @@ def check_run_name(name: Any) -> str:
     """
     if not isinstance(name, str) or not name:
         raise RenderError("metadata.name: missing; give the RLRun a name")
-    if not _DNS_1035_LABEL.match(name) or len(name) > MAX_RUN_NAME_LENGTH:
+    if not DNS_1035_LABEL.match(name) or len(name) > MAX_RUN_NAME_LENGTH:
         raise RenderError(
             f"metadata.name: {name!r} cannot name the run's Services and StatefulSet; use at most "
             f"{MAX_RUN_NAME_LENGTH} characters of lower-case letters, digits and '-', starting with a letter "

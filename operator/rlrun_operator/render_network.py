@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import constants as c
+from rlrun_api import constants as c
 from .render_metadata import get_metadata, get_run_selector_labels, get_selector_labels
 
-INFERENCE_COMPONENTS = (c.COMPONENT_INFERENCE, c.COMPONENT_PREFILL, c.COMPONENT_DECODE)
 
 
 def render_service(
@@ -58,7 +57,7 @@ def render_network_policy(rlrun: dict[str, Any], name: str,
             "podSelector": {
                 "matchLabels": get_run_selector_labels(run_name),
                 "matchExpressions": [
-                    {"key": c.LABEL_COMPONENT, "operator": "In", "values": list(INFERENCE_COMPONENTS)}
+                    {"key": c.LABEL_COMPONENT, "operator": "In", "values": list(c.POOL_COMPONENTS)}
                 ],
             },
             "policyTypes": ["Ingress"],

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import constants as c
+from rlrun_api import constants as c
 from .render_config import get_config_hash
 from .render_inference import get_inference_endpoints
 from .render_metadata import get_metadata

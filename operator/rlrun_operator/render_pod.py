@@ -13,26 +13,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from . import constants as c
+from rlrun_api import constants as c
+from rlrun_api import validation
 from .render_metadata import RenderError, get_labels
 from .render_storage import get_volume_mounts, get_volumes
 
 GPU_RESOURCE = "nvidia.com/gpu"
-
-# spec.pod.env may override these defaults (it comes later in the env list, and the kubelet keeps the
-# last value of a name).
-OVERRIDABLE_ENV = frozenset({c.ENV_VLLM_CPU_KVCACHE_SPACE})
-# Every other variable rlrun sets in some container: the role contract. spec.pod.env applies to every
-# container, so it may name none of them (tests check that rendered containers set nothing else).
-RESERVED_ENV_NAMES = frozenset({
-    c.ENV_CONFIG, c.ENV_STORAGE_DIR, c.ENV_RUN_NAME, c.ENV_NAMESPACE, c.ENV_POD_IP,
-    c.ENV_NNODES, c.ENV_NPROC_PER_NODE, c.ENV_NODE_RANK, c.ENV_MASTER_ADDR, c.ENV_MASTER_PORT,
-    c.ENV_TRAINER_METRICS_PORT,
-    c.ENV_INFERENCE_ROLE, c.ENV_INFERENCE_PORT, c.ENV_VLLM_DEV_MODE, c.ENV_NIXL_SIDE_CHANNEL_PORT,
-    c.ENV_NIXL_SIDE_CHANNEL_HOST,
-    c.ENV_ROUTER_DISCOVERY, c.ENV_ROUTER_PORT, c.ENV_ROUTER_METRICS_PORT,
-    c.ENV_ROUTER_URL, c.ENV_INFERENCE_ENDPOINTS, c.ENV_METRICS_PORT,
-})
 
 # Probe timing. A model download plus load can take many minutes, so a startup probe holds off liveness:
 # up to STARTUP_SECONDS before the first successful check, then liveness restarts a container that stops
@@ -65,17 +51,15 @@ def get_base_env(rlrun: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def check_pod_env(spec: dict[str, Any]) -> None:
-    """Refuse spec.pod.env entries that would replace a variable of the role contract (RESERVED_ENV_NAMES).
+    """Refuse spec.pod.env entries that would replace a variable of the role contract
+    (``constants.RESERVED_ENV_NAMES``; the rule is ``rlrun_api.validation.check_pod_env``).
 
     Raises:
         RenderError: naming ``spec.pod.env[i].name`` and the fix.
     """
-    for i, entry in enumerate(spec.get("pod", {}).get("env") or []):
-        if entry.get("name") in RESERVED_ENV_NAMES:
-            raise RenderError(
-                f"spec.pod.env[{i}].name: {entry['name']} is set by rlrun and read by the runtime roles; "
-                "remove it from spec.pod.env"
-            )
+    errors = validation.check_pod_env(spec.get("pod") or {})
+    if errors:
+        raise RenderError(str(errors[0]))
 
 
 def get_env(rlrun: dict[str, Any], role_env: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from . import constants as c
+from rlrun_api import constants as c
 from .render_config import get_config_hash
 from .render_metadata import get_metadata, get_selector_labels
 from .render_network import render_service

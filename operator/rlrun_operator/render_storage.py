@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import constants as c
+from rlrun_api import constants as c
 from .render_metadata import get_metadata
 
 CONFIG_VOLUME = "config"

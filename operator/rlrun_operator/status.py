@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlrun_operator import constants
+from rlrun_api import constants
 
 PHASE_PENDING = "Pending"
 PHASE_INITIALIZING = "Initializing"
@@ -29,8 +29,6 @@ PHASE_FAILED = "Failed"
 TERMINAL_PHASES = (PHASE_SUCCEEDED, PHASE_FAILED)
 
 REASON_INVALID_SPEC = "InvalidSpec"
-CONDITION_TYPES = ("Ready", "TrainerReady", "InferenceReady", "RouterReady", "OrchestratorReady",
-                   "Progressing", "Degraded")
 # Status keys this module owns (others, e.g. scalingHistory, are never touched).
 OWNED_KEYS = ("phase", "observedGeneration", "step", "policyVersion", "lastReward", "startTime",
               "completionTime", "conditions", "replicas")
@@ -115,11 +113,6 @@ def _role_condition(kind: str, roles: dict[str, dict[str, int]], names: list[str
     return "False", "ReplicasNotReady", text
 
 
-def get_missing_roles(rlrun: dict[str, Any], workloads: list[dict[str, Any]]) -> list[str]:
-    """Roles of a defaulted RLRun whose workload (Deployment/StatefulSet/Job) does not exist."""
-    return [r for r in get_expected_roles(rlrun) if find_role(workloads, r) is None]
-
-
 def get_phase(workloads: list[dict[str, Any]], roles: dict[str, dict[str, int]], expected: list[str],
               suspended: bool, old_phase: str | None) -> str:
     """The run's phase from its workloads (see the module docstring)."""
@@ -185,7 +178,7 @@ def get_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress:
         if obj is not None:
             roles[role] = get_role_replicas(obj)
     phase = get_phase(workloads, roles, expected, suspended, old.get("phase"))
-    pools = [r for r in expected if r in ("inference", "prefill", "decode")]
+    pools = [r for r in expected if r in constants.POOL_COMPONENTS]
     role_conditions = [
         ("TrainerReady", *_role_condition("trainer", roles, ["trainer"], suspended)),
         ("InferenceReady", *_role_condition("inference", roles, pools, suspended)),

@@ -24,10 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
-from rlrun_operator import constants
-from rlrun_operator.spec import apply_defaults
+from rlrun_api import constants
+from rlrun_runtime.role import RoleConfigError, env_port, env_required, load_spec
 from rlrun_runtime.role_exec import exec_server
 from rlrun_runtime.storage import RunStorage, list_steps
 from rlrun_runtime.vllm_worker import EXTENSION_QUALNAME
@@ -35,10 +33,6 @@ from rlrun_runtime.vllm_worker import EXTENSION_QUALNAME
 ROLES = ("prefill", "decode", "both")
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
-
-
-class InferenceConfigError(ValueError):
-    """Bad input to the inference role (unknown role, missing env var); the message names the fix."""
 
 
 def get_vllm_args(spec: Mapping[str, Any], role: str, model: str, port: int,
@@ -59,10 +53,10 @@ def get_vllm_args(spec: Mapping[str, Any], role: str, model: str, port: int,
         come last so that a user can override anything.
 
     Raises:
-        InferenceConfigError: ``role`` is not one of prefill, decode, both.
+        RoleConfigError: ``role`` is not one of prefill, decode, both.
     """
     if role not in ROLES:
-        raise InferenceConfigError(
+        raise RoleConfigError(
             f"{constants.ENV_INFERENCE_ROLE}={role!r} is not a valid inference role; set it to one of {', '.join(ROLES)}"
         )
     inference = spec["inference"]
@@ -126,36 +120,6 @@ def get_served_weights(storage: RunStorage) -> tuple[int, Path] | None:
     return steps[-1], storage.weights(steps[-1])
 
 
-def load_spec(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read an RLRun YAML file and return its defaulted ``spec``.
-
-    Raises:
-        InferenceConfigError: the file is missing or is not an RLRun with a ``spec`` mapping.
-    """
-    try:
-        with open(path, encoding="utf-8") as handle:
-            rlrun = yaml.safe_load(handle)
-    except OSError as err:
-        raise InferenceConfigError(f"--config {path}: cannot read it ({err.strerror}); pass the RLRun YAML") from err
-    if not isinstance(rlrun, dict) or not isinstance(rlrun.get("spec"), dict):
-        raise InferenceConfigError(f"--config {path}: no `spec` mapping; pass an RLRun YAML (kind: RLRun)")
-    return apply_defaults(rlrun)["spec"]
-
-
-def _env_required(env: Mapping[str, str], name: str) -> str:
-    value = env.get(name, "").strip()
-    if not value:
-        raise InferenceConfigError(f"environment variable {name} is not set; the renderer (or rlrun local) sets it")
-    return value
-
-
-def _env_port(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name, "").strip() or str(default)
-    if not raw.isdigit() or not 0 < int(raw) < 65536:
-        raise InferenceConfigError(f"environment variable {name}={raw!r} is not a TCP port; set it to 1-65535")
-    return int(raw)
-
-
 def main(argv: list[str]) -> int:
     """Resolve the model, then exec the vLLM server. Returns 2 on bad input (it does not return otherwise)."""
     parser = argparse.ArgumentParser(prog="rlrun-runtime inference", description=__doc__.splitlines()[0])
@@ -166,8 +130,8 @@ def main(argv: list[str]) -> int:
     try:
         spec = load_spec(ns.config)
         role = env.get(constants.ENV_INFERENCE_ROLE, "both").strip() or "both"
-        port = _env_port(env, constants.ENV_INFERENCE_PORT, constants.INFERENCE_PORT)
-        storage = RunStorage(_env_required(env, constants.ENV_STORAGE_DIR))
+        port = env_port(env, constants.ENV_INFERENCE_PORT, constants.INFERENCE_PORT)
+        storage = RunStorage(env_required(env, constants.ENV_STORAGE_DIR))
         from rlrun_runtime.tiny_model import ensure_model  # lazy: builds the tiny model when the spec names it
 
         base_model = str(ensure_model(spec, storage))
@@ -175,8 +139,7 @@ def main(argv: list[str]) -> int:
         model, tokenizer = (str(served[1]), base_model) if served else (base_model, None)
         host = env.get(constants.ENV_BIND_HOST, "").strip() or constants.DEFAULT_BIND_HOST
         args = get_vllm_args(spec, role, model, port, tokenizer=tokenizer, host=host)
-    except InferenceConfigError as err:
+    except RoleConfigError as err:
         print(f"rlrun-runtime inference: {err}", file=sys.stderr)
         return 2
     return exec_server("inference", [sys.executable, "-m", VLLM_MODULE, *args], get_vllm_env(env), ns.dry_run)
-    return 1  # unreachable

@@ -31,7 +31,7 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
-from rlrun_operator import constants as c
+from rlrun_api import constants as c
 
 from .local_plan import LOCAL_HOST, LocalPaths, LocalPlan, PlanError, get_local_plan
 from .storage import RunStorage, atomic_directory, atomic_write_text, list_steps
@@ -87,11 +87,11 @@ def load_run(file: str) -> dict[str, Any]:
         LocalInputError: unreadable file, not exactly one RLRun, validation errors (one
             ``FILE: path: message`` line each), or spec.suspend set.
     """
-    from rlrun_operator import spec, validation
+    from rlrun_api import documents, spec, validation
 
     try:
-        docs = validation.load_documents(file)
-    except validation.SpecFileError as exc:
+        docs = documents.load_documents(file)
+    except documents.SpecFileError as exc:
         raise LocalInputError(str(exc)) from None
     if len(docs) != 1:
         raise LocalInputError(f"{file}: holds {len(docs)} RLRuns; rlrun local runs one per file")
@@ -273,15 +273,15 @@ def write_plot(storage: RunStorage, path: Path, title: str) -> Path | None:
 
 def _print_summary(out: TextIO, storage: RunStorage, output_dir: Path, final_step: int | None,
                    plot: Path | None) -> None:
-    from .local_progress import parse_metrics_lines
+    from .local_progress import get_reward_summary, parse_metrics_lines, render_summary
 
     try:
         rows = parse_metrics_lines(storage.metrics_file.read_text(encoding="utf-8"))
     except OSError:
         rows = []
-    rewards = [r["reward_mean"] for r in rows if isinstance(r.get("reward_mean"), (int, float))]
-    if rewards:
-        print(f"steps: {len(rows)}; reward first {rewards[0]:.3f}, last {rewards[-1]:.3f}", file=out)
+    summary = get_reward_summary(rows)
+    if summary is not None:
+        print(render_summary(summary), file=out)
     if final_step is not None:
         print(f"final weights (step {final_step}): {output_dir / 'final'}", file=out)
     if plot is not None:
@@ -356,8 +356,10 @@ def run_plan(plan: LocalPlan, run_spec: Mapping[str, Any], name: str, output_dir
         output_dir.mkdir(parents=True, exist_ok=True)
         for path, text in plan.files.items():
             atomic_write_text(path, text)
+        resume_step = None
         if resume:
             checkpoints = list_steps(storage.checkpoints_dir)
+            resume_step = checkpoints[-1] if checkpoints else 0
             print(f"resuming {name} in {output_dir}: "
                   + (f"latest checkpoint is step {checkpoints[-1]}" if checkpoints else "no checkpoint yet, "
                      "starting from step 0"), file=out)
@@ -375,7 +377,8 @@ def run_plan(plan: LocalPlan, run_spec: Mapping[str, Any], name: str, output_dir
         port = orchestrators[0].env.get(c.ENV_METRICS_PORT) if orchestrators else None
         supervisor = Supervisor(plan.processes, cwd=Path.cwd(), grace_seconds=grace_seconds)
         display = ProgressDisplay(storage.metrics_file, f"http://{LOCAL_HOST}:{port}/metrics" if port else None,
-                                  int(run_spec["algorithm"]["maxSteps"]), [p.name for p in plan.processes], out)
+                                  int(run_spec["algorithm"]["maxSteps"]), [p.name for p in plan.processes], out,
+                                  resume_step=resume_step)
         supervisor.start()  # before the display's refresh thread exists (the children fork a clean process)
         with display:
             outcome = supervisor.wait(stop, on_tick=lambda: display.update(supervisor.exits()))

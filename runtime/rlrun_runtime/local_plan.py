@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from rlrun_operator import constants as c
+from rlrun_api import constants as c
 
 from .kube_expansion import expand
 
@@ -62,7 +62,6 @@ PORT_ENV_VARS = (
 PEER_PORT_ENV_VARS = {c.ENV_MASTER_PORT: c.ENV_MASTER_ADDR}
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job")
-INFERENCE_COMPONENTS = (c.COMPONENT_INFERENCE, c.COMPONENT_PREFILL, c.COMPONENT_DECODE)
 
 # host[:port] references: optional scheme, a DNS name, a port, an optional path up to a comma or space.
 _ENDPOINT_RE = re.compile(
@@ -460,7 +459,7 @@ def get_local_plan(
     for pod in pods:
         mounts = _mounts(pod, paths, config_maps, warnings)
         env = _container_env(pod, network, mounts, config_maps, pods, namespace, warnings)
-        if pod.component in INFERENCE_COMPONENTS:
+        if pod.component in c.POOL_COMPONENTS:
             inference_urls.setdefault(pod.component, []).append(_inference_url(pod, env))
         resolved.append((pod, env, mounts))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 import urllib.error
@@ -19,9 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from rlrun_operator import constants as c
+from rlrun_api import constants as c
+from rlrun_api.prometheus import get_samples
 
 SCRAPE_TIMEOUT_S = 0.5
 
@@ -73,16 +73,12 @@ def parse_metrics_lines(text: str) -> list[dict[str, Any]]:
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Sample name -> value of a Prometheus text exposition (labels ignored, last sample wins) (pure).
-
-    Uses prometheus_client's parser; sample names keep their ``_total`` suffix (the parser drops it from
-    family names only).
-    """
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[sample.name] = float(sample.value)
-    return values
+    """Sample name -> value of a Prometheus text exposition (``rlrun_api.prometheus.get_samples``: label
+    sets of one name summed); {} for text that is not an exposition (pure)."""
+    try:
+        return get_samples(text)
+    except ValueError:
+        return {}
 
 
 def _number(row: Mapping[str, Any], key: str) -> float | None:
@@ -119,7 +115,8 @@ def get_progress(rows: Sequence[Mapping[str, Any]], orchestrator: Mapping[str, f
         if latest > first and seconds > 0:  # steps read in the same poll carry no timing
             eta = max(0, max_steps - step) * seconds / (latest - first)
     reward = _number(last, "reward_mean")
-    if reward is None and c.METRIC_LAST_REWARD in orchestrator:
+    if reward is None and step > 0 and c.METRIC_LAST_REWARD in orchestrator:
+        # the gauge reads 0 until the orchestrator has written a batch: only trust it once a step exists
         reward = orchestrator[c.METRIC_LAST_REWARD]
     return Progress(
         step=step,
@@ -134,6 +131,60 @@ def get_progress(rows: Sequence[Mapping[str, Any]], orchestrator: Mapping[str, f
         eta_seconds=eta,
         elapsed_seconds=now - started_at,
     )
+
+
+@dataclass(frozen=True)
+class RewardSummary:
+    """Fifth-averages of a finished run (what docs/local.md and the tests compare).
+
+    Attributes:
+        steps: metrics rows with a reward (a resumed run's repeated step counts once, its last row).
+        first_fifth, last_fifth: mean ``reward_mean`` of the first and last ``max(1, steps // 5)`` steps.
+        exact_first_fifth, exact_last_fifth: mean ``exact_match_rate`` of the same steps (None when no row
+            of them has one).
+    """
+
+    steps: int
+    first_fifth: float
+    last_fifth: float
+    exact_first_fifth: float | None
+    exact_last_fifth: float | None
+
+    @property
+    def gain(self) -> float:
+        return self.last_fifth - self.first_fifth
+
+
+def get_reward_summary(rows: Sequence[Mapping[str, Any]]) -> RewardSummary | None:
+    """The run's :class:`RewardSummary` from metrics.jsonl rows; None when no row has a reward (pure)."""
+    by_step: dict[int, Mapping[str, Any]] = {}
+    for row in rows:
+        step = _number(row, "step")
+        if step is not None and _number(row, "reward_mean") is not None:
+            by_step[int(step)] = row
+    ordered = [by_step[k] for k in sorted(by_step)]
+    if not ordered:
+        return None
+    fifth = max(1, len(ordered) // 5)
+
+    def mean_of(part: Sequence[Mapping[str, Any]], key: str) -> float | None:
+        values = [v for v in (_number(r, key) for r in part) if v is not None]
+        return math.fsum(values) / len(values) if values else None
+
+    first, last = ordered[:fifth], ordered[-fifth:]
+    return RewardSummary(steps=len(ordered), first_fifth=mean_of(first, "reward_mean") or 0.0,
+                         last_fifth=mean_of(last, "reward_mean") or 0.0,
+                         exact_first_fifth=mean_of(first, "exact_match_rate"),
+                         exact_last_fifth=mean_of(last, "exact_match_rate"))
+
+
+def render_summary(summary: RewardSummary) -> str:
+    """``steps: 100; mean reward first fifth 0.652 -> last fifth 0.921 (+0.269); exact match 15% -> 48%`` (pure)."""
+    line = (f"steps: {summary.steps}; mean reward first fifth {summary.first_fifth:.3f} -> last fifth "
+            f"{summary.last_fifth:.3f} ({summary.gain:+.3f})")
+    if summary.exact_first_fifth is not None and summary.exact_last_fifth is not None:
+        line += f"; exact match {summary.exact_first_fifth:.0%} -> {summary.exact_last_fifth:.0%}"
+    return line
 
 
 def format_duration(seconds: float | None) -> str:
@@ -172,12 +223,21 @@ class MetricsTail:
     def __init__(self, path: Path):
         self.path = Path(path)
         self._offset = 0
+        self._identity: tuple[int, int] | None = None
         self.rows: list[dict[str, Any]] = []
 
     def poll(self) -> list[dict[str, Any]]:
-        """New complete rows (also appended to ``self.rows``)."""
+        """New complete rows (also appended to ``self.rows``).
+
+        A file replaced in between (a resumed trainer rewrites it without the steps it trains again: new
+        inode) or cut shorter is read again from its start, and ``self.rows`` restarts with it.
+        """
         try:
             with open(self.path, "rb") as handle:
+                stat = os.fstat(handle.fileno())
+                identity = (stat.st_dev, stat.st_ino)
+                if identity != self._identity or stat.st_size < self._offset:
+                    self._identity, self._offset, self.rows = identity, 0, []
                 handle.seek(self._offset)
                 data = handle.read()
         except OSError:
@@ -207,10 +267,12 @@ class ProgressDisplay:
         max_steps: spec.algorithm.maxSteps.
         roles: process names shown with their state in the panel.
         stream: where to write (default stdout).
+        resume_step: for ``--resume``: the checkpoint step the trainer goes on from; rows of the earlier run
+            past it (steps the trainer trains again) are not shown.
     """
 
     def __init__(self, metrics_file: Path, orchestrator_url: str | None, max_steps: int,
-                 roles: Sequence[str] = (), stream: TextIO | None = None):
+                 roles: Sequence[str] = (), stream: TextIO | None = None, resume_step: int | None = None):
         self.tail = MetricsTail(metrics_file)
         self.orchestrator_url = orchestrator_url
         self.max_steps = max_steps
@@ -222,7 +284,10 @@ class ProgressDisplay:
         self._last_printed_step: int | None = None
         self._live: Any = None
         self._exited: dict[str, int] = {}
+        self._last_scrape: dict[str, float] = {}
         self.tail.poll()  # rows of an earlier (resumed) run: shown, but not timed for the ETA
+        if resume_step is not None:
+            self.tail.rows = [r for r in self.tail.rows if (_number(r, "step") or 0) <= resume_step]
 
     @property
     def is_tty(self) -> bool:
@@ -253,6 +318,10 @@ class ProgressDisplay:
             if step is not None:
                 self.step_times.setdefault(int(step), now)
         orchestrator = scrape(self.orchestrator_url) if self.orchestrator_url else {}
+        if orchestrator:
+            self._last_scrape = orchestrator
+        else:  # not up yet, or gone after a clean finish: keep showing what it said last
+            orchestrator = self._last_scrape
         self.progress = get_progress(self.tail.rows, orchestrator, self.max_steps, self.step_times,
                                      self.started_at, now)
         self._exited = dict(exited or {})
@@ -290,7 +359,10 @@ class ProgressDisplay:
             table.add_row("reward", _fmt(progress.reward, ".3f"))
             table.add_row("mismatch KL", _fmt(progress.mismatch_kl, ".4f"))
             table.add_row("tokens/s", _fmt(progress.tokens_per_second, ".0f"))
-            lag = "? (orchestrator not reachable yet)" if progress.policy_lag is None else f"{progress.policy_lag} (servers at v{progress.loaded_version})"
+            if progress.policy_lag is not None:
+                lag = f"{progress.policy_lag} (servers at v{progress.loaded_version})"
+            else:
+                lag = "-" if self._last_scrape else "? (orchestrator not reachable yet)"
             table.add_row("policy lag", lag + (" loading weights" if progress.weight_update_in_flight else ""))
             table.add_row("elapsed / eta", f"{format_duration(progress.elapsed_seconds)} / "
                                            f"{format_duration(progress.eta_seconds)}")

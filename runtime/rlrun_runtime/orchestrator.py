@@ -39,10 +39,11 @@ from typing import Any, Mapping, Sequence
 
 import httpx
 
-from rlrun_operator import constants
-from rlrun_runtime.inference import InferenceConfigError, load_spec
+from rlrun_api import constants
+from rlrun_runtime.role import RoleConfigError, load_spec
 from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
-from rlrun_runtime.rollouts import Completion, Group, assemble_batch, get_completion_request, parse_completion_choice
+from rlrun_runtime.rollouts import (Completion, Group, assemble_batch, get_completion_request, parse_completion_choice,
+                                   plan_group_count)
 from rlrun_runtime.staleness import may_generate
 from rlrun_runtime.storage import RunStorage, append_jsonl, atomic_write_json, list_steps, step_name
 from rlrun_runtime.vllm_admin import (EngineError, VLLMAdmin, parse_version, resolve_engines,
@@ -141,6 +142,7 @@ class Orchestrator:
         self.weights_stable = asyncio.Event()
         self.weights_stable.set()
         self.leftover: list[Group] = []
+        self.signal_rate: float | None = None  # share of assembled groups that had a learning signal
         self.seed_rng = random.Random(int(spec["environment"].get("seed", 0)))
         self._round_robin = itertools.count()
         self._loaded_identity: tuple[int, int] | None = None
@@ -412,7 +414,8 @@ class Orchestrator:
                                        max_off_policy_steps=self.max_off_policy, std_normalize=self.std_normalize)
             if assembled.num_samples > self.batch_size - self.group_size:
                 break
-            missing_groups = math.ceil((self.batch_size - assembled.num_samples) / self.group_size)
+            missing_groups = plan_group_count(self.batch_size - assembled.num_samples, self.group_size,
+                                              1.0 if self.signal_rate is None else self.signal_rate)
             engines = await self.engines()
             indices = list(range(cursor, cursor + missing_groups))
             cursor += missing_groups
@@ -424,6 +427,10 @@ class Orchestrator:
             assembled = assemble_batch(step, candidates, batch_size=self.batch_size,
                                        max_off_policy_steps=self.max_off_policy, std_normalize=self.std_normalize)
         assert assembled is not None
+        looked_at = len(assembled.used_groups) + assembled.dropped_zero_advantage_groups
+        if looked_at:  # share of groups with a learning signal, smoothed over batches
+            rate = len(assembled.used_groups) / looked_at
+            self.signal_rate = rate if self.signal_rate is None else 0.5 * (self.signal_rate + rate)
         self.leftover = assembled.leftover
         batch = assembled.batch
         batch["dropped_bad_logprob_samples"] = dropped_bad
@@ -520,20 +527,20 @@ def main(argv: list[str]) -> int:
         storage_dir = env.get(constants.ENV_STORAGE_DIR, "").strip()
         endpoints = [e for e in env.get(constants.ENV_INFERENCE_ENDPOINTS, "").split(",") if e.strip()]
         if not storage_dir:
-            raise InferenceConfigError(f"environment variable {constants.ENV_STORAGE_DIR} is not set")
+            raise RoleConfigError(f"environment variable {constants.ENV_STORAGE_DIR} is not set")
         if not endpoints:
-            raise InferenceConfigError(f"environment variable {constants.ENV_INFERENCE_ENDPOINTS} is not set "
+            raise RoleConfigError(f"environment variable {constants.ENV_INFERENCE_ENDPOINTS} is not set "
                                        "(comma-separated host:port of the inference servers)")
         metrics_port = env.get(constants.ENV_METRICS_PORT, "").strip() or str(constants.ORCHESTRATOR_METRICS_PORT)
         if not metrics_port.isdigit():
-            raise InferenceConfigError(f"{constants.ENV_METRICS_PORT}={metrics_port!r} is not a port")
+            raise RoleConfigError(f"{constants.ENV_METRICS_PORT}={metrics_port!r} is not a port")
         from rlrun_runtime.environments import EnvironmentSpecError, load_environment
 
         try:
             environment = load_environment(spec["environment"])
         except EnvironmentSpecError as err:
-            raise InferenceConfigError(str(err)) from err
-    except InferenceConfigError as err:
+            raise RoleConfigError(str(err)) from err
+    except RoleConfigError as err:
         print(f"rlrun-runtime orchestrator: {err}", file=sys.stderr)
         return 2
     storage = RunStorage(storage_dir)

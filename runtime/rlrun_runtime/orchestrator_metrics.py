@@ -1,10 +1,10 @@
-"""The orchestrator's Prometheus metrics (names from ``rlrun_operator.constants``; the operator scrapes them)."""
+"""The orchestrator's Prometheus metrics (names from ``rlrun_api.constants``; the operator scrapes them)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from rlrun_operator import constants
+from rlrun_api import constants
 
 # Pause->resume of one engine; the tiny model on CPU takes tens of ms, a large model on GPU seconds.
 WEIGHT_UPDATE_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

@@ -6,7 +6,8 @@ sampled token's logprob only) and are never re-tokenized from text. A choice who
 counted, never zeroed.
 
 Batch file format: docs/runtime-contract.md ("Batch file"), plus ``reward_mean`` (over every scored,
-non-stale rollout considered for the step, including zero-advantage groups; None when there was none), the
+non-stale rollout considered for the step, including zero-advantage groups; None when there was none),
+``exact_match_rate`` (the share of those rollouts with the full reward 1.0), the
 drop counters (``dropped_zero_advantage_groups``, ``dropped_small_groups``, ``dropped_nonfinite_rewards``,
 ``dropped_bad_logprob_samples``), ``generation_seconds``, ``gate_wait_seconds`` (time the batch waited for
 newer weights: inference idle) and ``prompt_cursor`` (the next task index; used to resume). A batch may hold
@@ -19,9 +20,11 @@ import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
-from rlrun_operator import constants
+from rlrun_api import constants
 from rlrun_runtime.advantages import group_advantages, nonfinite_reward_indices
 from rlrun_runtime.staleness import is_stale
+
+FULL_REWARD = 1.0  # the score of a completely right answer in every built-in environment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +138,40 @@ def parse_completion_choice(choice: Mapping[str, Any]) -> Completion | None:
                       text=str(choice.get("text") or ""))
 
 
+def get_exact_match_rate(rewards: Sequence[float]) -> float | None:
+    """Fraction of ``rewards`` that reach the full score ``FULL_REWARD`` (None for no reward).
+
+    Every built-in task scores in [0, 1] with 1.0 only for a completely right answer (for reverse-words: the
+    exact reversal), so this is the exact-match rate; partial credit does not count.
+    """
+    if not rewards:
+        return None
+    return sum(1 for r in rewards if r >= FULL_REWARD) / len(rewards)
+
+
+MIN_SIGNAL_RATE = 0.5  # over-generate at most 2x what the batch still needs
+
+
+def plan_group_count(missing_samples: int, group_size: int, signal_rate: float) -> int:
+    """Groups to generate in one round so that the batch most likely fills in that round (pure).
+
+    Zero-advantage groups (every completion right, or every one equally wrong) are dropped at assembly,
+    so generating only ``ceil(missing / group_size)`` groups needs another round for each drop; each round
+    costs a whole generation's latency. With ``signal_rate`` the share of groups kept so far (1.0 before
+    any was seen), this asks for ``ceil(missing / group_size / max(signal_rate, MIN_SIGNAL_RATE))``. Groups
+    that do not fit stay in the leftover for the next step (still bounded by ``maxOffPolicySteps``).
+
+    Raises:
+        ValueError: ``group_size < 1``.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if missing_samples <= 0:
+        return 0
+    rate = min(1.0, max(MIN_SIGNAL_RATE, signal_rate))
+    return math.ceil(missing_samples / group_size / rate - 1e-9)
+
+
 def assemble_batch(step: int, groups: Sequence[Group], *, batch_size: int, max_off_policy_steps: int,
                    std_normalize: bool = False) -> AssembledBatch:
     """Build batch ``step`` from ``groups`` (in order), as many whole groups as fit in ``batch_size`` samples.
@@ -200,6 +237,7 @@ def assemble_batch(step: int, groups: Sequence[Group], *, batch_size: int, max_o
         "dropped_small_groups": small,
         "dropped_nonfinite_rewards": nonfinite,
         "reward_mean": (math.fsum(rewards_seen) / len(rewards_seen)) if rewards_seen else None,
+        "exact_match_rate": get_exact_match_rate(rewards_seen),
         "samples": samples,
     }
     return AssembledBatch(batch, leftover, used, stale, zero, small, nonfinite, rewards_seen)

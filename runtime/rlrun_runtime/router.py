@@ -17,8 +17,8 @@ import os
 import sys
 from typing import Any, Mapping
 
-from rlrun_operator import constants
-from rlrun_runtime.inference import InferenceConfigError, load_spec
+from rlrun_api import constants
+from rlrun_runtime.role import RoleConfigError, env_required, load_spec
 from rlrun_runtime.role_exec import exec_server
 
 ROUTER_MODULE = "vllm_router.launch_router"
@@ -28,21 +28,10 @@ DISCOVERY_MODES = ("kubernetes", "static")
 WORKER_STARTUP_CHECK_INTERVAL_S = 1
 
 
-class RouterConfigError(InferenceConfigError):
-    """Bad router input (missing env var, unknown discovery mode); the message names the fix."""
-
-
-def _require(env: Mapping[str, str], name: str) -> str:
-    value = env.get(name, "").strip()
-    if not value:
-        raise RouterConfigError(f"environment variable {name} is not set; the renderer (or rlrun local) sets it")
-    return value
-
-
 def _urls(env: Mapping[str, str], name: str) -> list[str]:
-    urls = [u.strip() for u in _require(env, name).split(",") if u.strip()]
+    urls = [u.strip() for u in env_required(env, name).split(",") if u.strip()]
     if not urls:
-        raise RouterConfigError(f"environment variable {name} holds no URL; set a comma-separated list of http://host:port")
+        raise RoleConfigError(f"environment variable {name} holds no URL; set a comma-separated list of http://host:port")
     return urls
 
 
@@ -66,7 +55,7 @@ def get_router_args(spec: Mapping[str, Any], env: Mapping[str, str]) -> list[str
         The arguments after ``python -m vllm_router.launch_router``; ``spec.router.args`` come last.
 
     Raises:
-        RouterConfigError: an env var above is missing or the discovery mode is unknown.
+        RoleConfigError: an env var above is missing or the discovery mode is unknown.
     """
     disaggregated = bool(spec["inference"]["disaggregation"]["enabled"])
     host = env.get(constants.ENV_BIND_HOST, "").strip() or constants.DEFAULT_BIND_HOST
@@ -83,10 +72,10 @@ def get_router_args(spec: Mapping[str, Any], env: Mapping[str, str]) -> list[str
         args.append("--vllm-pd-disaggregation")
     discovery = env.get(constants.ENV_ROUTER_DISCOVERY, "").strip() or "kubernetes"
     if discovery == "kubernetes":
-        run_name = _require(env, constants.ENV_RUN_NAME)
+        run_name = env_required(env, constants.ENV_RUN_NAME)
         args += [
             "--service-discovery",
-            "--service-discovery-namespace", _require(env, constants.ENV_NAMESPACE),
+            "--service-discovery-namespace", env_required(env, constants.ENV_NAMESPACE),
             "--service-discovery-port", str(constants.SERVICE_DISCOVERY_PORT),
         ]
         if disaggregated:
@@ -103,7 +92,7 @@ def get_router_args(spec: Mapping[str, Any], env: Mapping[str, str]) -> list[str
         else:
             args += ["--worker-urls", *_urls(env, constants.ENV_WORKER_URLS)]
     else:
-        raise RouterConfigError(
+        raise RoleConfigError(
             f"{constants.ENV_ROUTER_DISCOVERY}={discovery!r} is unknown; set it to one of {', '.join(DISCOVERY_MODES)}"
         )
     args += [str(a) for a in spec["router"].get("args") or []]
@@ -118,8 +107,7 @@ def main(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     try:
         args = get_router_args(load_spec(ns.config), os.environ)
-    except InferenceConfigError as err:
+    except RoleConfigError as err:
         print(f"rlrun-runtime router: {err}", file=sys.stderr)
         return 2
     return exec_server("router", [sys.executable, "-m", ROUTER_MODULE, *args], os.environ, ns.dry_run)
-    return 1  # unreachable

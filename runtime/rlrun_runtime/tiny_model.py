@@ -29,14 +29,14 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from rlrun_operator import constants
+from rlrun_api import constants
 
 from .environments.builtin import WORDS, ReverseWords, render_answer, render_prompt
 from .storage import RunStorage, atomic_directory
 
 # Bump whenever the build code changes the built files; the cache key also hashes every size and
 # warm-up constant below (see cache_key), so tuning one of them can never reuse a stale cache entry.
-MODEL_VERSION = "2"
+MODEL_VERSION = "3"
 
 EOS_TOKEN = "<|endoftext|>"
 VOCAB_SIZE = 512           # tokenizer vocabulary upper bound and the embedding size
@@ -49,8 +49,10 @@ HEAD_DIM = 64              # vLLM CPU attention needs >= 64
 MAX_POSITIONS = 256
 
 # Supervised warm-up on reverse-words (teacher forcing on the answer tokens only).
-WARMUP_STEPS = 60
+WARMUP_STEPS = 100
 WARMUP_BATCH = 32
+WARMUP_MIN_WORDS = 2       # the warm-up practises 2..4 words; the embedded default asks RL for 3..4
+WARMUP_MAX_WORDS = 4
 WARMUP_LR = 3e-3
 WARMUP_TASK_SEED = 10_000  # the warm-up's prompts come from their own stream, not a run's seed 0..N
 
@@ -73,6 +75,7 @@ def get_build_parameters(seed: int) -> dict[str, Any]:
             "intermediate_size": INTERMEDIATE_SIZE, "num_layers": NUM_LAYERS, "num_heads": NUM_HEADS,
             "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "max_positions": MAX_POSITIONS,
             "warmup_steps": WARMUP_STEPS, "warmup_batch": WARMUP_BATCH, "warmup_lr": WARMUP_LR,
+            "warmup_words": [WARMUP_MIN_WORDS, WARMUP_MAX_WORDS],
             "warmup_task_seed": WARMUP_TASK_SEED, "words": list(WORDS)}
 
 
@@ -167,7 +170,7 @@ def warm_up(model: Any, tokenizer: Any, steps: int = WARMUP_STEPS, seed: int = 0
     """Supervised warm-up on reverse-words (AdamW, constant lr WARMUP_LR); returns the loss per step."""
     import torch
 
-    env = ReverseWords(seed=WARMUP_TASK_SEED + seed)
+    env = ReverseWords(seed=WARMUP_TASK_SEED + seed, min_words=WARMUP_MIN_WORDS, max_words=WARMUP_MAX_WORDS)
     optimizer = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR, weight_decay=0.0)
     model.train()
     losses = []

@@ -28,11 +28,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
 
-from rlrun_operator import constants as c
-from rlrun_operator.spec import apply_defaults
-from rlrun_operator.validation import check_implemented
+from rlrun_api import constants as c
+from rlrun_api.validation import check_implemented
+from rlrun_runtime.role import RoleConfigError, load_rlrun
 
 from . import checkpoint as ckpt
 from .loss import LossMetrics, policy_loss, token_logprobs
@@ -43,10 +42,6 @@ from .storage import RunStorage, append_jsonl, atomic_directory
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".ckpt", ".index.json")
 BATCH_POLL_SECONDS = 0.05
 DISTRIBUTED_TIMEOUT = datetime.timedelta(minutes=30)
-
-
-class UsageError(Exception):
-    """Bad user input: printed as one line naming the field and the fix, exit code 2."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +82,7 @@ def get_trainer_config(rlrun: dict[str, Any]) -> TrainerConfig:
 def get_unsupported_fields(rlrun: dict[str, Any], world_size: int) -> list[str]:
     """Spec fields this trainer does not implement yet, each as "field: why; the fix" (empty when all is fine).
 
-    The same rules as ``rlrun_operator.validation.check_implemented`` (which `rlrun validate` and the operator
+    The same rules as ``rlrun_api.validation.check_implemented`` (which `rlrun validate` and the operator
     apply before anything starts), evaluated with the trainer's actual rank count.
     """
     return [str(error) for error in check_implemented(rlrun["spec"], world_size)]
@@ -149,7 +144,8 @@ def get_metrics_record(step: int, batch: dict[str, Any], loss: float, metrics: L
 
     ``reward_mean`` is the batch file's ``reward_mean`` when the orchestrator wrote one (the mean over every
     scored rollout, before zero-advantage groups were filtered), else the mean reward of the trained samples.
-    The batch file's other ``dropped_*`` counters are copied as they are. ``tokens_per_second`` counts real
+    ``exact_match_rate`` (share of those rollouts with the full reward 1.0) is copied from the batch file
+    (None when absent). The batch file's other ``dropped_*`` counters are copied as they are. ``tokens_per_second`` counts real
     (non-padding) input tokens of all ranks over ``train_seconds`` (forward, backward and optimizer step;
     waiting and publishing excluded).
 
@@ -168,6 +164,7 @@ def get_metrics_record(step: int, batch: dict[str, Any], loss: float, metrics: L
         "step": step,
         "policy_version": step,
         "reward_mean": reward_mean,
+        "exact_match_rate": batch.get("exact_match_rate"),
         "loss": loss,
         "mismatch_kl": metrics.mismatch_kl,
         "mismatch_kl_on_policy": metrics.mismatch_kl_on_policy if metrics.on_policy_fraction > 0 else None,
@@ -194,39 +191,30 @@ def get_metrics_record(step: int, batch: dict[str, Any], loss: float, metrics: L
 # --- I/O -------------------------------------------------------------------------------------------
 
 
-def load_rlrun(path: str) -> dict[str, Any]:
-    """Read the RLRun YAML at ``path`` and apply the CRD's defaults.
+def load_trainer_rlrun(path: str) -> dict[str, Any]:
+    """The defaulted RLRun at ``path`` (:func:`rlrun_runtime.role.load_rlrun`) with a model name.
 
     Raises:
-        UsageError: the file is missing, not YAML, or has no ``spec`` mapping.
+        RoleConfigError: as ``load_rlrun``, or ``spec.model.name`` is missing.
     """
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"--config {path}: cannot read it ({exc.strerror}); pass the RLRun YAML") from None
-    try:
-        rlrun = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise UsageError(f"--config {path}: not valid YAML ({exc}); fix the file") from None
-    if not isinstance(rlrun, dict) or not isinstance(rlrun.get("spec"), dict):
-        raise UsageError(f"--config {path}: no spec mapping; the file must be an RLRun object")
+    rlrun = load_rlrun(path)
     if not isinstance(rlrun["spec"].get("model"), dict) or not rlrun["spec"]["model"].get("name"):
-        raise UsageError("spec.model.name: missing; name an HF model id, a model directory or rlrun-tiny")
-    return apply_defaults(rlrun)
+        raise RoleConfigError("spec.model.name: missing; name an HF model id, a model directory or rlrun-tiny")
+    return rlrun
 
 
 def resolve_model(rlrun: dict[str, Any], storage: RunStorage) -> str:
     """What to load for ``spec.model.name`` (via :func:`rlrun_runtime.tiny_model.ensure_model`).
 
     Raises:
-        UsageError: the name is a filesystem path (absolute, or starting with ``.`` or ``~``) that is not
+        RoleConfigError: the name is a filesystem path (absolute, or starting with ``.`` or ``~``) that is not
             a directory.
     """
     from .tiny_model import ensure_model
 
     name = rlrun["spec"]["model"]["name"]
     if name.startswith(("/", ".", "~")) and not Path(name).expanduser().is_dir():
-        raise UsageError(f"spec.model.name: model directory {name} does not exist; build or copy the HF model "
+        raise RoleConfigError(f"spec.model.name: model directory {name} does not exist; build or copy the HF model "
                          "there, or name an HF model id or rlrun-tiny")
     return ensure_model(rlrun["spec"], storage)
 
@@ -292,7 +280,7 @@ def start_metrics_server(port: int) -> dict[str, Any]:
         The gauges by key: step, loss, mismatch_kl, tokens_per_second, wait_seconds.
 
     Raises:
-        UsageError: the port cannot be bound.
+        RoleConfigError: the port cannot be bound.
     """
     from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
@@ -312,7 +300,7 @@ def start_metrics_server(port: int) -> dict[str, Any]:
     try:
         start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
-        raise UsageError(f"{c.ENV_TRAINER_METRICS_PORT}: cannot serve metrics on {host}:{port} ({exc.strerror}); "
+        raise RoleConfigError(f"{c.ENV_TRAINER_METRICS_PORT}: cannot serve metrics on {host}:{port} ({exc.strerror}); "
                          "free the port or set another (0 turns the server off)") from None
     return gauges
 
@@ -349,7 +337,7 @@ def init_distributed(use_gpu: bool) -> tuple[int, int, torch.device]:
                            c.ENV_MASTER_ADDR: "127.0.0.1", c.ENV_MASTER_PORT: str(port)})
     if use_gpu:
         if not torch.cuda.is_available():
-            raise UsageError("spec.trainer.gpusPerNode: > 0 but no CUDA device is visible; set it to 0 to train "
+            raise RoleConfigError("spec.trainer.gpusPerNode: > 0 but no CUDA device is visible; set it to 0 to train "
                              "on CPU")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -368,7 +356,7 @@ def build_model(model_path: str, cfg: TrainerConfig, device: torch.device, revis
     trainer's logprobs come from the same precision vLLM serves with.
 
     Raises:
-        UsageError: transformers cannot load ``model_path``.
+        RoleConfigError: transformers cannot load ``model_path``.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
@@ -378,7 +366,7 @@ def build_model(model_path: str, cfg: TrainerConfig, device: torch.device, revis
                                                      attn_implementation="sdpa")
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"spec.model.name: cannot load {model_path!r} ({first}); name an HF model directory, "
+        raise RoleConfigError(f"spec.model.name: cannot load {model_path!r} ({first}); name an HF model directory, "
                          "a reachable HF model id or rlrun-tiny") from None
     model.to(device)
     compute = get_torch_dtype(cfg.dtype, model.config)
@@ -537,26 +525,26 @@ def main(argv: list[str] | None = None) -> int:
     if threads and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
     try:
-        rlrun = load_rlrun(args.config)
+        rlrun = load_trainer_rlrun(args.config)
         root = os.environ.get(c.ENV_STORAGE_DIR)
         if not root:
-            raise UsageError(f"{c.ENV_STORAGE_DIR} is not set; point it at the run's storage directory")
+            raise RoleConfigError(f"{c.ENV_STORAGE_DIR} is not set; point it at the run's storage directory")
         storage = RunStorage(root)
         port_text = os.environ.get(c.ENV_TRAINER_METRICS_PORT, str(c.TRAINER_METRICS_PORT))
         if not port_text.isdigit():
-            raise UsageError(f"{c.ENV_TRAINER_METRICS_PORT}={port_text!r} is not a port number; set it to one")
+            raise RoleConfigError(f"{c.ENV_TRAINER_METRICS_PORT}={port_text!r} is not a port number; set it to one")
         cfg = get_trainer_config(rlrun)
         model_path = resolve_model(rlrun, storage)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         unsupported = get_unsupported_fields(rlrun, world_size)
         if unsupported:
-            raise UsageError("; ".join(unsupported))
+            raise RoleConfigError("; ".join(unsupported))
         rank, world, device = init_distributed(cfg.use_gpu)
         try:
             trainer = Trainer(rlrun, storage, model_path, rank, world, device)
             return trainer.run(int(port_text) if int(port_text) > 0 else None)
         finally:
             dist.destroy_process_group()
-    except UsageError as exc:
+    except RoleConfigError as exc:
         print(f"rlrun-runtime trainer: {exc}", file=sys.stderr)
         return 2

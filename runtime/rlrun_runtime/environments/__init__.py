@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlrun_operator import constants
+from rlrun_api import constants
 
 from .base import Environment, EnvironmentSpecError, Task
 from .builtin import BUILTINS, ReverseWords

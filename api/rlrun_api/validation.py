@@ -5,7 +5,7 @@
 1. the CRD's openAPIV3Schema with jsonschema (Draft 4, the dialect OpenAPI v3.0 schemas follow: boolean
    ``exclusiveMinimum``). Like the API server's strict field validation (``kubectl apply`` default since
    Kubernetes 1.27), unknown fields are errors, except under ``x-kubernetes-preserve-unknown-fields``.
-2. every CEL rule of the CRD (``x-kubernetes-validations``, see ``rlrun_operator.cel``), the same
+2. every CEL rule of the CRD (``x-kubernetes-validations``, see ``rlrun_api.cel``), the same
    expressions the API server checks. A rule is skipped on a node whose subtree failed step 1, so a
    wrong type does not also show up as a confusing rule failure.
 3. semantic checks that a schema cannot express (P:D sizing, autoscaling bounds against the sized pools,
@@ -18,7 +18,7 @@
 
 ``status`` is not checked by ``validate()``: the API server ignores it in requests to the main resource.
 
-``load_documents(path)`` reads RLRun documents from a YAML file for the CLI. The operator calls
+Reading RLRun documents from YAML files is ``rlrun_api.documents``. The operator calls
 ``validate()`` on every object it sees, so ``validate()`` never raises, whatever dict it is given.
 """
 
@@ -29,13 +29,11 @@ import difflib
 import functools
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jsonschema
-import yaml
 
-from rlrun_operator import cel, constants, sizing, spec
+from rlrun_api import cel, constants, names, sizing, spec
 
 
 @dataclass(frozen=True)
@@ -53,99 +51,6 @@ class FieldError:
 
     def __str__(self) -> str:
         return f"{self.path}: {self.message}" if self.path else self.message
-
-
-class SpecFileError(ValueError):
-    """A spec file cannot be read as RLRun documents; the message names the file and what to change."""
-
-
-# --- loading -------------------------------------------------------------------------------------
-
-def load_documents(path: str | Path) -> list[dict[str, Any]]:
-    """Read every YAML document of the file ``path`` and check that each one is an RLRun mapping.
-
-    Empty documents (a trailing ``---``) are ignored. Returns at least one dict.
-
-    Raises:
-        SpecFileError: the file is missing or unreadable, not UTF-8, not YAML (a repeated key included),
-            holds no document, or a
-            document is not a mapping with ``apiVersion: rlrun.dev/v1alpha1`` and ``kind: RLRun``.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecFileError(f"{path}: no such file; pass the path of an RLRun YAML file") from None
-    except IsADirectoryError:
-        raise SpecFileError(f"{path}: is a directory; pass the path of an RLRun YAML file") from None
-    except UnicodeDecodeError:
-        raise SpecFileError(f"{path}: is not UTF-8 text; an RLRun file is YAML text") from None
-    except OSError as exc:
-        raise SpecFileError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    return parse_documents(text, str(path))
-
-
-class DuplicateKeyError(yaml.YAMLError):
-    """A YAML mapping holds the same key twice (``key``; 1-based ``line`` of the repeat, ``first_line``)."""
-
-    def __init__(self, key: Any, line: int, first_line: int) -> None:
-        super().__init__(f"duplicate key {key!r} at line {line} (first at line {first_line})")
-        self.key = key
-        self.line = line
-        self.first_line = first_line
-
-
-class UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's SafeLoader, except that a mapping with a repeated key raises DuplicateKeyError instead of
-    silently keeping the last value (YAML 1.2 requires unique keys; kubectl refuses them too)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # "<<" merge keys may repeat
-            key = self.construct_object(key_node, deep=True)
-            try:
-                first = seen.setdefault(key, key_node.start_mark.line + 1)
-            except TypeError:  # an unhashable key: SafeLoader reports it itself
-                continue
-            if first != key_node.start_mark.line + 1:
-                raise DuplicateKeyError(key, key_node.start_mark.line + 1, first)
-        return super().construct_mapping(node, deep)
-
-
-def parse_documents(text: str, source: str) -> list[dict[str, Any]]:
-    """Parse YAML ``text`` into RLRun documents, as ``load_documents`` does; ``source`` names it in errors.
-
-    Raises:
-        SpecFileError: as ``load_documents``, less the file-system errors; also for a mapping that repeats
-            a key (UniqueKeyLoader), naming the key and both lines.
-    """
-    path = source
-    try:
-        docs = [d for d in yaml.load_all(text, Loader=UniqueKeyLoader) if d is not None]
-    except DuplicateKeyError as exc:
-        raise SpecFileError(f"{path}: key {exc.key!r} appears twice in one mapping (line {exc.first_line} and "
-                            f"line {exc.line}); keep only one of them") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SpecFileError(f"{path}: is not valid YAML{where} ({problem}); fix the syntax") from None
-    if not docs:
-        raise SpecFileError(
-            f"{path}: holds no YAML document; write an RLRun (see examples/rlrun-minimal.yaml)")
-    for i, doc in enumerate(docs):
-        where = f"{path}" if len(docs) == 1 else f"{path} (document {i + 1})"
-        if not isinstance(doc, dict):
-            raise SpecFileError(
-                f"{where}: is a YAML {type(doc).__name__}, not a mapping; an RLRun is a mapping with "
-                f"apiVersion: {constants.API_VERSION}, kind: {constants.KIND}, metadata and spec")
-        if doc.get("apiVersion") != constants.API_VERSION or doc.get("kind") != constants.KIND:
-            raise SpecFileError(
-                f"{where}: is apiVersion {doc.get('apiVersion')!r} kind {doc.get('kind')!r}, not an RLRun; "
-                f"set apiVersion: {constants.API_VERSION} and kind: {constants.KIND}")
-    return docs
 
 
 # --- 1. schema -----------------------------------------------------------------------------------
@@ -296,7 +201,7 @@ def check_schema(rlrun: dict[str, Any]) -> list[FieldError]:
 # --- 2. CEL --------------------------------------------------------------------------------------
 
 def check_cel(rlrun: dict[str, Any], skip_paths: frozenset[str] = frozenset()) -> list[FieldError]:
-    """Errors from the CRD's CEL rules on ``rlrun`` (already defaulted); see ``rlrun_operator.cel``.
+    """Errors from the CRD's CEL rules on ``rlrun`` (already defaulted); see ``rlrun_api.cel``.
 
     ``skip_paths``: paths of schema errors; rules are not evaluated on the nodes above them.
     """
@@ -309,19 +214,7 @@ def check_cel(rlrun: dict[str, Any], skip_paths: frozenset[str] = frozenset()) -
 
 # --- 3. semantic checks --------------------------------------------------------------------------
 
-DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 PYTHON_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-
-
-def max_name_length() -> int:
-    """Longest metadata.name whose every child name stays within Kubernetes' limits.
-
-    Children are named ``<name><suffix>`` (constants.CHILD_SUFFIXES); each must be a DNS-1035 label
-    (<= 63 characters), and a StatefulSet's name at most 52 (constants.STATEFULSET_NAME_MAX_LENGTH).
-    """
-    limits = [constants.DNS_LABEL_MAX_LENGTH - len(s) for s in constants.CHILD_SUFFIXES]
-    limits += [constants.STATEFULSET_NAME_MAX_LENGTH - len(s) for s in constants.STATEFULSET_SUFFIXES]
-    return min(limits)
 
 
 def check_name(metadata: Any) -> list[FieldError]:
@@ -332,7 +225,7 @@ def check_name(metadata: Any) -> list[FieldError]:
         out.append(FieldError("metadata.name", "is required; name the run, e.g. metadata.name: my-run "
                                                "(generateName is not supported: children are named after it)"))
     namespace = metadata.get("namespace") if isinstance(metadata, dict) else None
-    if namespace is not None and (not isinstance(namespace, str) or not DNS_1123_LABEL.match(namespace)
+    if namespace is not None and (not isinstance(namespace, str) or not names.DNS_1123_LABEL.match(namespace)
                                   or len(namespace) > constants.DNS_LABEL_MAX_LENGTH):
         out.append(FieldError("metadata.namespace", f"{_describe(namespace)} is not a DNS-1123 label; use "
                                                     "lower-case letters, digits and '-', at most 63 characters"))
@@ -453,12 +346,10 @@ def check_environment(environment: dict[str, Any]) -> list[FieldError]:
 
 def check_pod_env(pod: dict[str, Any]) -> list[FieldError]:
     """spec.pod.env must not replace a variable the renderer sets for the runtime roles
-    (render_pod.RESERVED_ENV_NAMES); one error per offending entry."""
-    from rlrun_operator.render_pod import RESERVED_ENV_NAMES  # the renderer owns the list
-
+    (constants.RESERVED_ENV_NAMES); one error per offending entry."""
     return [FieldError(f"spec.pod.env[{i}].name", f"{entry['name']} is set by rlrun and read by the runtime "
                                                   "roles; remove it from spec.pod.env")
-            for i, entry in enumerate(pod.get("env") or []) if entry.get("name") in RESERVED_ENV_NAMES]
+            for i, entry in enumerate(pod.get("env") or []) if entry.get("name") in constants.RESERVED_ENV_NAMES]
 
 
 def check_semantics(rlrun: dict[str, Any]) -> list[FieldError]:

@@ -54,6 +54,8 @@ COMPONENT_ROUTER = "router"
 COMPONENT_ORCHESTRATOR = "orchestrator"
 COMPONENT_CONFIG = "config"
 COMPONENT_STORAGE = "storage"
+# The inference pools: one Deployment each, the scaled children (single pool, or prefill and decode).
+POOL_COMPONENTS = (COMPONENT_INFERENCE, COMPONENT_PREFILL, COMPONENT_DECODE)
 
 # --- Environment variables read by the runtime roles ---------------------------------------------
 ENV_CONFIG = "RLRUN_CONFIG"                  # path of the RLRun YAML (the ConfigMap's file)
@@ -138,3 +140,19 @@ OPERATOR_STATUS_INTERVAL_S = 5.0  # default seconds between status refreshes of 
 # and the tests set 127.0.0.1 so that nothing listens beyond loopback.
 ENV_BIND_HOST = "RLRUN_BIND_HOST"
 DEFAULT_BIND_HOST = "0.0.0.0"
+
+
+# --- The role contract's env names -------------------------------------------------------------------
+# Every variable rlrun sets in some container except ENV_VLLM_CPU_KVCACHE_SPACE, a default that spec.pod.env
+# may override (it comes later in the env list; the kubelet keeps the last value of a name). spec.pod.env
+# applies to every container, so it may name none of these (tests check that rendered containers set
+# nothing else).
+RESERVED_ENV_NAMES = frozenset({
+    ENV_CONFIG, ENV_STORAGE_DIR, ENV_RUN_NAME, ENV_NAMESPACE, ENV_POD_IP,
+    ENV_NNODES, ENV_NPROC_PER_NODE, ENV_NODE_RANK, ENV_MASTER_ADDR, ENV_MASTER_PORT,
+    ENV_TRAINER_METRICS_PORT,
+    ENV_INFERENCE_ROLE, ENV_INFERENCE_PORT, ENV_VLLM_DEV_MODE, ENV_NIXL_SIDE_CHANNEL_PORT,
+    ENV_NIXL_SIDE_CHANNEL_HOST,
+    ENV_ROUTER_DISCOVERY, ENV_ROUTER_PORT, ENV_ROUTER_METRICS_PORT,
+    ENV_ROUTER_URL, ENV_INFERENCE_ENDPOINTS, ENV_METRICS_PORT,
+})

@@ -14,17 +14,12 @@ CRD_RESOURCE = "data/rlrun.yaml"
 
 @functools.lru_cache(maxsize=1)
 def _crd_text() -> str:
-    return resources.files("rlrun_operator").joinpath(CRD_RESOURCE).read_text(encoding="utf-8")
+    return resources.files("rlrun_api").joinpath(CRD_RESOURCE).read_text(encoding="utf-8")
 
 
 def crd_text() -> str:
     """The CRD YAML exactly as shipped (a copy of crds/rlrun.yaml packaged as data)."""
     return _crd_text()
-
-
-def load_crd() -> dict[str, Any]:
-    """The CRD as a dict (a fresh deep copy on every call; callers may mutate it)."""
-    return copy.deepcopy(_parsed_crd())
 
 
 @functools.lru_cache(maxsize=1)

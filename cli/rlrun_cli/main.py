@@ -1,7 +1,7 @@
 """`rlrun`: validate and render RLRun files, print the CRD, and run an RLRun on this machine.
 
 Commands (exit status 0 on success, 2 on bad input or usage, never a traceback for bad input):
-  rlrun validate FILE...          schema + CEL + semantic checks (rlrun_operator.validation)
+  rlrun validate FILE...          schema + CEL + semantic checks (rlrun_api.validation)
   rlrun render FILE [-n NS] [--operator-namespace NS]
                                   the manifests the operator applies, as a multi-document YAML stream
   rlrun crd                       the CustomResourceDefinition, exactly as shipped
@@ -11,15 +11,13 @@ Commands (exit status 0 on success, 2 on bad input or usage, never a traceback f
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
-import re
 import sys
 from typing import Any, TextIO
 
 import yaml
 
-from rlrun_operator import __version__, constants, spec, validation
+from rlrun_api import __version__, constants, documents, names, spec, validation
 
 EXIT_OK = 0
 EXIT_INVALID = 2
@@ -68,15 +66,15 @@ def read_documents(name: str) -> list[dict[str, Any]]:
     """RLRun documents of the file ``name``, or of standard input when ``name`` is "-".
 
     Raises:
-        validation.SpecFileError: see validation.load_documents.
+        documents.SpecFileError: see documents.load_documents.
     """
     if name == "-":
         try:
             text = sys.stdin.read()
         except UnicodeDecodeError:
-            raise validation.SpecFileError("-: standard input is not UTF-8 text; pipe in RLRun YAML") from None
-        return validation.parse_documents(text, "-")
-    return validation.load_documents(name)
+            raise documents.SpecFileError("-: standard input is not UTF-8 text; pipe in RLRun YAML") from None
+        return documents.parse_documents(text, "-")
+    return documents.load_documents(name)
 
 
 def run_validate(files: list[str], out: TextIO) -> int:
@@ -85,7 +83,7 @@ def run_validate(files: list[str], out: TextIO) -> int:
     for name in files:
         try:
             docs = read_documents(name)
-        except validation.SpecFileError as exc:
+        except documents.SpecFileError as exc:
             print(str(exc), file=out)
             status = EXIT_INVALID
             continue
@@ -115,21 +113,18 @@ def prepare_for_render(rlrun: dict[str, Any], namespace: str | None) -> dict[str
     return out
 
 
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # RFC 1123 label: a namespace name
-
-
 def run_render(file: str, namespace: str | None, out: TextIO, err: TextIO,
                operator_namespace: str = constants.DEFAULT_OPERATOR_NAMESPACE) -> int:
     """Validate ``file`` (one RLRun) and print what the operator creates for it as a YAML stream:
     ``render.render()`` with apply.get_creatable's spec-hash annotation (ownerReferences are added at apply
     time, when the RLRun has a uid). Returns 0, or 2 on bad input."""
-    if not _DNS_LABEL.match(operator_namespace):
+    if not names.DNS_1123_LABEL.match(operator_namespace):
         print(f"--operator-namespace {operator_namespace!r} is not a namespace name (lower-case letters, digits "
               "and '-', at most 63); pass the namespace the operator runs in", file=err)
         return EXIT_INVALID
     try:
         docs = read_documents(file)
-    except validation.SpecFileError as exc:
+    except documents.SpecFileError as exc:
         print(str(exc), file=err)
         return EXIT_INVALID
     if len(docs) != 1:
@@ -145,15 +140,15 @@ def run_render(file: str, namespace: str | None, out: TextIO, err: TextIO,
     except ValueError as exc:
         print(f"{file}: {exc}", file=err)
         return EXIT_INVALID
-    render = importlib.import_module("rlrun_operator.render")  # lazy: only this command needs it
-    render_error = importlib.import_module("rlrun_operator.render_metadata").RenderError
+    from rlrun_operator import apply  # only this command needs the operator's modules
+    from rlrun_operator.render import RenderError, render
+
     try:
-        manifests = render.render(rlrun, operator_namespace=operator_namespace)
-    except render_error as exc:  # a spec the renderer refuses (its message names the field and the fix)
+        manifests = render(rlrun, operator_namespace=operator_namespace)
+    except RenderError as exc:  # a spec the renderer refuses (its message names the field and the fix)
         print(f"{file}: {exc}", file=err)
         return EXIT_INVALID
     # What the operator POSTs: the same objects with its spec-hash annotation (apply.get_creatable).
-    apply = importlib.import_module("rlrun_operator.apply")
     suspended = bool(rlrun["spec"].get("suspend"))
     manifests = [apply.get_creatable(m, suspended) for m in manifests]
     out.write(yaml.safe_dump_all(manifests, sort_keys=False, default_flow_style=False))
@@ -178,7 +173,8 @@ def run_local(args: list[str], err: TextIO) -> int:
     if missing:
         print(f"rlrun local: missing {', '.join(missing)}.\n{RUNTIME_INSTALL_HINT}", file=err)
         return EXIT_INVALID
-    runtime_cli = importlib.import_module("rlrun_runtime.cli")
+    from rlrun_runtime import cli as runtime_cli  # present: missing_runtime_modules() found it
+
     return int(runtime_cli.main(["local", *args]) or 0)
 
 
