@@ -12,8 +12,10 @@ import httpx
 import pytest
 
 from rlrun_api import constants
-from rlrun_runtime.vllm_admin import (EngineError, VLLMAdmin, parse_version, resolve_engines, update_engines,
-                                       update_weights_everywhere)
+from rlrun_runtime.storage import RunStorage
+from rlrun_runtime.vllm_admin import EngineError, VLLMAdmin, parse_version, resolve_engines
+from rlrun_runtime.weights.filesystem import FilesystemTransport
+from rlrun_runtime.weights.update import update_engines, update_weights_everywhere
 from vllm_role import LOOPBACK, inference_server, tiny_rlrun, write_config
 
 
@@ -138,7 +140,9 @@ def test_failed_reload_still_resumes_and_names_the_engine(scripted_server, tmp_p
 
     async def body():
         with pytest.raises(EngineError, match="/collective_rpc") as caught:
-            await update_engines([url], 4, str(tmp_path), retries=0)
+            storage = RunStorage(tmp_path)
+            storage.weights(4).mkdir(parents=True)
+            await update_engines([url], 4, FilesystemTransport(storage), retries=0)
         assert url in str(caught.value)
 
     asyncio.run(body())
@@ -148,7 +152,7 @@ def test_failed_reload_still_resumes_and_names_the_engine(scripted_server, tmp_p
 def test_missing_weights_directory_pauses_nothing(scripted_server, tmp_path):
     handler, url = scripted_server
     with pytest.raises(ValueError, match="not a directory"):
-        asyncio.run(update_engines([url], 4, str(tmp_path / "missing")))
+        asyncio.run(update_engines([url], 4, FilesystemTransport(RunStorage(tmp_path))))
     assert handler.calls == []
 
 
@@ -203,7 +207,7 @@ def test_weight_update_changes_greedy_output_and_version(engine):
         before = greedy(url, prompt_ids, 0)
         assert before != expected  # the perturbation changes the greedy continuation
 
-        latencies = await update_weights_everywhere(f"localhost:{port}", 1, str(new_dir))
+        latencies = await update_weights_everywhere(f"localhost:{port}", 1, FilesystemTransport(RunStorage(storage)))
         assert list(latencies) == [url] and 0 < latencies[url] < 1000.0
         assert greedy(url, prompt_ids, 1) == expected
         async with VLLMAdmin(url) as admin:
@@ -249,10 +253,14 @@ def test_pause_resume_latency_for_the_tiny_model(engine):
     """Measured: pause(keep) -> reload -> version -> reset -> resume, 5 updates of the tiny model."""
     async def body():
         url, storage = engine
-        path = storage / "model"
+        run_storage = RunStorage(storage)
+        transport = FilesystemTransport(run_storage)
         samples = []
         for version in range(10, 15):
-            samples.extend((await update_weights_everywhere([url.removeprefix("http://")], version, str(path))).values())
+            run_storage.weights(version).parent.mkdir(parents=True, exist_ok=True)
+            run_storage.weights(version).symlink_to(storage / "model")  # the initial model, as version N
+            samples.extend((await update_weights_everywhere([url.removeprefix("http://")], version,
+                                                            transport)).values())
         median = statistics.median(samples)
         print(f"\npause->resume latency, tiny model on CPU: median {median:.1f} ms, max {max(samples):.1f} ms")
         assert median < 1000.0  # the benchmark target (issue section 9)

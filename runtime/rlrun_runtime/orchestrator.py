@@ -31,11 +31,10 @@ import logging
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Hashable, Mapping, Sequence
 
 import httpx
 
@@ -46,13 +45,14 @@ from rlrun_runtime.rollouts import (Completion, Group, assemble_batch, get_compl
                                    plan_group_count)
 from rlrun_runtime.staleness import may_generate
 from rlrun_runtime.storage import RunStorage, append_jsonl, atomic_write_json, list_steps, step_name
-from rlrun_runtime.vllm_admin import (EngineError, VLLMAdmin, parse_version, resolve_engines,
-                                       update_engines)
+from rlrun_runtime.vllm_admin import EngineError, VLLMAdmin, parse_version, resolve_engines
+from rlrun_runtime.weights import get_transport
+from rlrun_runtime.weights.update import update_engines
 
 log = logging.getLogger("rlrun.orchestrator")
 
 POLL_S = 0.2                 # how often the engines' versions are checked (weight_info over HTTP)
-PUBLISH_POLL_S = 0.02        # how often weights/ is listed for a newly published version
+PUBLISH_POLL_S = 0.02        # how often the transport is asked for a newly published version
 HEALTH_TIMEOUT_S = 1800.0    # how long to wait for the router and engines at start (vLLM may download a model)
 REQUEST_TIMEOUT_S = 600.0    # one completion request (queued behind a weight-update pause counts too)
 REQUEST_RETRIES = 3
@@ -115,6 +115,7 @@ class Orchestrator:
         algo = spec["algorithm"]
         self.spec = spec
         self.storage = storage
+        self.transport = get_transport(spec["weightSync"]["transport"], storage)
         self.env = env
         self.tokenizer = tokenizer
         self.endpoints = list(endpoints)
@@ -145,7 +146,7 @@ class Orchestrator:
         self.signal_rate: float | None = None  # share of assembled groups that had a learning signal
         self.seed_rng = random.Random(int(spec["environment"].get("seed", 0)))
         self._round_robin = itertools.count()
-        self._loaded_identity: tuple[int, int] | None = None
+        self._loaded_identity: Hashable | None = None
         self._client: httpx.AsyncClient | None = None
 
     # --- start-up -----------------------------------------------------------------------------------
@@ -200,8 +201,7 @@ class Orchestrator:
     # --- weights ------------------------------------------------------------------------------------
     def newest_published(self) -> int:
         """Newest published policy version (0 before the first trainer step)."""
-        steps = list_steps(self.storage.weights_dir)
-        return steps[-1] if steps else 0
+        return self.transport.newest_published()
 
     async def sync_weights_once(self) -> bool:
         """One check: bring every engine to the newest published version. True when all report it.
@@ -219,7 +219,7 @@ class Orchestrator:
         engines = resolve_engines(self.endpoints)
         infos = await asyncio.gather(*(self._weight_info(url) for url in engines))
         behind = [url for url, version in zip(engines, infos) if version != target]
-        identity = self._identity(target)
+        identity = self.transport.identity(target)
         if target > 0 and target == self.loaded_version and identity != self._loaded_identity:
             # The trainer re-published this version (it resumed from an older checkpoint): reload everywhere.
             log.info("weights %s were re-published: reloading every engine", step_name(target))
@@ -231,11 +231,10 @@ class Orchestrator:
                     async with VLLMAdmin(url) as admin:
                         await admin.update_weight_version(0)
             else:
-                path = self.storage.weights(target)
                 self.weights_stable.clear()
                 self.metrics.weight_update_in_flight.set(1)
                 try:
-                    updates = await update_engines(behind, target, str(path))
+                    updates = await update_engines(behind, target, self.transport)
                 finally:
                     self.metrics.weight_update_in_flight.set(0)
                 for update in updates:
@@ -253,7 +252,7 @@ class Orchestrator:
             self.loaded_version = target
             self.metrics.policy_version.set(target)
             self.version_changed.set()
-            self.delete_old_weights(target)
+            self.transport.retire(target)
         self.weights_stable.set()
         return True
 
@@ -262,24 +261,9 @@ class Orchestrator:
         """``orchestrator/weight-updates.jsonl``: one line per update (version, per-engine pause->resume ms)."""
         return self.storage.orchestrator_state.parent / "weight-updates.jsonl"
 
-    def _identity(self, version: int) -> tuple[int, int] | None:
-        """(inode, mtime ns) of ``weights/step-version``: changes when the trainer re-publishes it."""
-        try:
-            info = os.stat(self.storage.weights(version))
-        except OSError:
-            return None
-        return info.st_ino, info.st_mtime_ns
-
     async def _weight_info(self, url: str) -> int | None:
         async with VLLMAdmin(url, timeout_s=10, retries=1) as admin:
             return parse_version(await admin.weight_info())
-
-    def delete_old_weights(self, loaded: int) -> list[int]:
-        """Delete ``weights/step-m`` for m < ``loaded`` (the version every engine has loaded); returns them."""
-        removed = [m for m in list_steps(self.storage.weights_dir) if m < loaded]
-        for version in removed:
-            shutil.rmtree(self.storage.weights(version), ignore_errors=True)
-        return removed
 
     async def weight_loop(self) -> None:
         """Keep the engines on the newest published weights until version maxSteps is loaded."""
@@ -304,7 +288,7 @@ class Orchestrator:
     async def wait_for_publish(self, timeout_s: float) -> bool:
         """Sleep up to ``timeout_s``, returning early (True) once the trainer publishes a newer version.
 
-        ``weights/`` is listed every ``PUBLISH_POLL_S`` (a directory listing, no HTTP), so a new version
+        The transport is asked every ``PUBLISH_POLL_S`` (for the filesystem: a directory listing), so a new version
         reaches the engines within ~``PUBLISH_POLL_S`` instead of up to a whole ``poll_s``: with
         maxAsyncLevel 1 the next batch waits for that load, and the trainer for that batch.
         """

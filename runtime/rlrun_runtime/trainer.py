@@ -36,7 +36,8 @@ from rlrun_runtime.role import RoleConfigError, load_rlrun
 from . import checkpoint as ckpt
 from .loss import LossMetrics, policy_loss, token_logprobs
 from .packing import MicroBatch, count_loss_tokens, count_on_policy_tokens, get_micro_batches
-from .storage import RunStorage, append_jsonl, atomic_directory
+from .storage import RunStorage, append_jsonl
+from .weights import WeightTransport, get_transport
 
 # Files of a model directory that are weights (never copied from the initial model into weights/step-n).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".ckpt", ".index.json")
@@ -245,18 +246,17 @@ def copy_model_files(source: str, dest: Path, revision: str | None = None) -> No
             shutil.copy2(entry, dest / entry.name)
 
 
-def publish_weights(model: torch.nn.Module, path: Path, template_dir: Path, dtype: torch.dtype,
-                    tied: bool) -> float:
-    """Gather the full state dict (collective) and write it on rank 0 as an HF safetensors directory.
+def publish_weights(model: torch.nn.Module, transport: WeightTransport, version: int, template_dir: Path,
+                    dtype: torch.dtype, tied: bool) -> float:
+    """Gather the full state dict (collective) and publish it on rank 0 as ``version`` through ``transport``.
 
-    The directory holds ``model*.safetensors`` (sharded with an index above 5 GB, by
-    ``huggingface_hub.save_torch_state_dict``) plus the non-weight files from ``template_dir``; it appears
-    atomically at ``path``. With tied embeddings ``lm_head.weight`` is left out, as transformers saves it.
+    The state dict is gathered to CPU (``cpu_offload``: FSDP shards never meet on one GPU) and cast to
+    ``dtype``. With tied embeddings ``lm_head.weight`` is left out, as transformers saves it. The filesystem
+    transport writes an HF safetensors directory (sharded above 5 GB) with the files of ``template_dir``.
 
     Returns:
         Seconds taken.
     """
-    from huggingface_hub import save_torch_state_dict
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     start = time.monotonic()
@@ -265,10 +265,7 @@ def publish_weights(model: torch.nn.Module, path: Path, template_dir: Path, dtyp
         if tied:
             state.pop("lm_head.weight", None)
         state = {k: v.to(dtype).contiguous() for k, v in state.items()}
-        with atomic_directory(path) as tmp:
-            save_torch_state_dict(state, tmp, max_shard_size="5GB")
-            for entry in template_dir.iterdir():
-                shutil.copy2(entry, tmp / entry.name)
+        transport.publish(state, version, template_dir)
     return time.monotonic() - start
 
 
@@ -386,6 +383,7 @@ class Trainer:
                  device: torch.device):
         self.cfg = get_trainer_config(rlrun)
         self.storage, self.rank, self.world, self.device = storage, rank, world, device
+        self.transport = get_transport(rlrun["spec"]["weightSync"]["transport"], storage)
         self.revision = rlrun["spec"]["model"].get("revision")
         self.model = build_model(model_path, self.cfg, device, self.revision)
         config = self.model.config
@@ -483,7 +481,7 @@ class Trainer:
             t0 = time.monotonic()
             loss, metrics, grad_norm, num_tokens, loss_tokens, lr = self.train_step(step, batch)
             train_seconds = time.monotonic() - t0
-            published = publish_weights(self.model, self.storage.weights(step), self.template_dir,
+            published = publish_weights(self.model, self.transport, step, self.template_dir,
                                         self.publish_dtype, self.tied)
             if self.rank == 0 or self.gauges:
                 record = get_metrics_record(step, batch, loss, metrics, grad_norm, lr, num_tokens, loss_tokens,

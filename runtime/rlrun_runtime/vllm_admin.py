@@ -1,28 +1,21 @@
-"""HTTP client for the RL admin endpoints of ONE vLLM engine, and the weight update across all engines.
+"""HTTP client for the RL admin endpoints of ONE vLLM engine (the update sequence over them is
+:mod:`rlrun_runtime.weights.update`).
 
 The endpoints exist when the server runs with ``VLLM_SERVER_DEV_MODE=1`` (vLLM 0.32:
 ``vllm/entrypoints/rl/online/api_router.py``, ``vllm/entrypoints/serve/dev/``). Admin calls go to every
 engine directly, never through the router (which would pick one engine at random).
 
-Weight update on one engine (docs/runtime-contract.md): ``POST /pause?mode=keep`` (running requests are
-frozen in place and continue on resume) -> ``POST /collective_rpc`` ``rlrun_reload_weights(weights_path=DIR)``
-(the workers reload an HF safetensors directory in place with vLLM's ``reload_weights``, then refresh tied LM
-heads, which vLLM 0.32 on CPU leaves stale: :mod:`rlrun_runtime.vllm_worker`) -> ``POST /update_weight_version`` (what
-``GET /weight_info`` reports) -> ``POST /reset_prefix_cache`` -> ``POST /resume``. Resume always runs,
-even when a step before it failed. vLLM refuses the prefix-cache reset while requests hold KV blocks
-(HTTP 200 with ``success: false``), which is expected after a ``keep`` pause; requests carry
-``cache_salt = "policy-<version>"`` so that KV computed with older weights is never reused anyway.
+``reload_weights`` is ``POST /collective_rpc`` ``rlrun_reload_weights(weights_path=DIR)``: the workers reload an HF
+safetensors directory in place with vLLM's ``reload_weights``, then refresh tied LM heads, which vLLM 0.32 on
+CPU leaves stale (:mod:`rlrun_runtime.vllm_worker`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import socket
-import time
-from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import httpx
 
@@ -139,21 +132,6 @@ class VLLMAdmin:
         return bool((await self._call("POST", "/reset_prefix_cache")).json().get("success", False))
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineUpdate:
-    """Result of one engine's weight update: ``latency_ms`` from pause sent to resume answered.
-
-    ``reported_version`` is what the engine's own ``GET /weight_info`` says after the resume (None when it
-    names no integer version): the proof that the engine serves ``version``.
-    """
-
-    engine: str
-    version: int
-    latency_ms: float
-    prefix_cache_reset: bool
-    reported_version: int | None = None
-
-
 def parse_version(weight_version: str) -> int | None:
     """vLLM's weight-version string as a policy version: ``"7"`` -> 7; ``"default"`` or junk -> None."""
     return int(weight_version) if weight_version.strip().isdigit() else None
@@ -181,74 +159,3 @@ def resolve_engines(endpoints: str | Iterable[str]) -> list[str]:
             address = sockaddr[0]
             urls.add(f"http://[{address}]:{port}" if family == socket.AF_INET6 else f"http://{address}:{port}")
     return sorted(urls)
-
-
-async def update_engine(admin: VLLMAdmin, version: int, weights_path: str) -> EngineUpdate:
-    """pause(keep) -> reload -> set version -> reset prefix cache -> resume on one engine, then check it.
-
-    Resume runs in a ``finally``; an error in any step is raised (as :class:`EngineError`) after it.
-    Afterwards ``GET /weight_info`` must report ``version`` (EngineError otherwise); its answer is
-    returned as ``reported_version``. The latency covers pause to resume only.
-    """
-    start = time.perf_counter()
-    await admin.pause("keep")
-    try:
-        await admin.reload_weights(weights_path)
-        await admin.update_weight_version(version)
-        reset = await admin.reset_prefix_cache()
-    finally:
-        await admin.resume()
-    latency_ms = (time.perf_counter() - start) * 1000.0
-    reported = parse_version(await admin.weight_info())
-    if reported != version:
-        raise EngineError(admin.base_url, f"reports weight version {reported} after loading version {version}")
-    if not reset:
-        log.info("engine %s: prefix-cache reset refused while requests hold blocks; cache_salt isolates old KV",
-                 admin.base_url)
-    return EngineUpdate(admin.base_url, version, latency_ms, reset, reported)
-
-
-async def update_weights_everywhere(endpoints: str | Sequence[str], version: int, weights_path: str, *,
-                                    timeout_s: float = DEFAULT_TIMEOUT_S, retries: int = DEFAULT_RETRIES
-                                    ) -> dict[str, float]:
-    """Load ``weights_path`` as policy ``version`` on every engine behind ``endpoints``, concurrently.
-
-    Returns:
-        ``{engine base URL: pause->resume latency in ms}``.
-
-    Raises:
-        EngineError: one or more engines failed (every other engine is still updated and resumed);
-            the message names them.
-        ValueError: ``weights_path`` is not a directory (see :func:`update_engines`).
-    """
-    updates = await update_engines(resolve_engines(endpoints), version, weights_path,
-                                   timeout_s=timeout_s, retries=retries)
-    return {u.engine: u.latency_ms for u in updates}
-
-
-async def update_engines(engines: Sequence[str], version: int, weights_path: str, *,
-                         timeout_s: float = DEFAULT_TIMEOUT_S, retries: int = DEFAULT_RETRIES) -> list[EngineUpdate]:
-    """:func:`update_engine` on each base URL in ``engines`` concurrently (see :func:`update_weights_everywhere`).
-
-    Raises:
-        ValueError: ``weights_path`` is not a directory here (engines share the run's storage, so a path
-            missing here is missing there; checked before any engine is paused).
-    """
-    if not Path(weights_path).is_dir():
-        raise ValueError(f"weights {weights_path} is not a directory on the shared storage; nothing was paused")
-
-    async def one(url: str) -> EngineUpdate:
-        async with VLLMAdmin(url, timeout_s=timeout_s, retries=retries) as admin:
-            return await update_engine(admin, version, weights_path)
-
-    results = await asyncio.gather(*(one(url) for url in engines), return_exceptions=True)
-    failures = [r for r in results if isinstance(r, BaseException)]
-    if failures:
-        for failure in failures:
-            if not isinstance(failure, Exception):  # cancellation, KeyboardInterrupt
-                raise failure
-        if len(failures) == 1:
-            raise failures[0]
-        raise EngineError(", ".join(getattr(f, "engine", "?") for f in failures),
-                          f"{len(failures)} engines failed: " + "; ".join(str(f) for f in failures))
-    return [r for r in results if isinstance(r, EngineUpdate)]

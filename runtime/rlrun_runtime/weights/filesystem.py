@@ -1,0 +1,71 @@
+"""``weightSync.transport: filesystem``: the trainer writes each version as an HF safetensors directory on
+the run's shared storage (``weights/step-N``, atomically); engines reload it in place.
+
+Identity of a publication: the directory's (inode, mtime ns); an atomic re-publish replaces the directory,
+so both change. Old versions are deleted once every engine has loaded a newer one (never before: a server
+may still be reading it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlrun_runtime.storage import RunStorage, atomic_directory, list_steps
+from rlrun_runtime.weights.transport import WeightTransport
+
+if TYPE_CHECKING:
+    from rlrun_runtime.vllm_admin import VLLMAdmin
+
+# Shards above this size are split (with an index file), as transformers saves large models.
+MAX_SHARD_SIZE = "5GB"
+
+
+class FilesystemTransport(WeightTransport):
+    """Pull transport over ``storage.weights_dir`` (see the module docstring)."""
+
+    name = "filesystem"
+
+    def __init__(self, storage: RunStorage):
+        self.storage = storage
+
+    def path(self, version: int) -> Path:
+        """``weights/step-<version>`` (what the engines load; it exists once published)."""
+        return self.storage.weights(version)
+
+    def newest_published(self) -> int:
+        steps = list_steps(self.storage.weights_dir)
+        return steps[-1] if steps else 0
+
+    def identity(self, version: int) -> tuple[int, int] | None:
+        try:
+            info = os.stat(self.path(version))
+        except OSError:
+            return None
+        return info.st_ino, info.st_mtime_ns
+
+    def check_loadable(self, version: int) -> None:
+        if not self.path(version).is_dir():
+            raise ValueError(f"weights {self.path(version)} is not a directory on the shared storage; nothing "
+                             "was paused")
+
+    async def load_into(self, admin: "VLLMAdmin", version: int) -> None:
+        await admin.reload_weights(str(self.path(version)))
+
+    def retire(self, loaded: int) -> list[int]:
+        removed = [m for m in list_steps(self.storage.weights_dir) if m < loaded]
+        for version in removed:
+            shutil.rmtree(self.path(version), ignore_errors=True)
+        return removed
+
+    def publish(self, state_dict: dict[str, Any], version: int, template_dir: Any) -> None:
+        """Write ``state_dict`` with ``huggingface_hub.save_torch_state_dict`` plus the files of
+        ``template_dir``; the directory appears at ``path(version)`` atomically (replacing an older one)."""
+        from huggingface_hub import save_torch_state_dict
+
+        with atomic_directory(self.path(version)) as tmp:
+            save_torch_state_dict(state_dict, tmp, max_shard_size=MAX_SHARD_SIZE)
+            for entry in Path(template_dir).iterdir():
+                shutil.copy2(entry, tmp / entry.name)

@@ -1,0 +1,60 @@
+"""The weight-transport interface, designed for both kinds of transport.
+
+- *Pull* (``filesystem``): the trainer writes version N somewhere shared; each engine, told to, loads it
+  from there (``load_into``). Publishing and loading are decoupled; a late engine can load any kept version.
+- *Push* (the broadcast issue's ``nccl``/``gloo``): engines join a process group with the trainer; the
+  trainer's ``publish`` sends the tensors while each engine receives them inside the update sequence.
+  ``load_into`` then starts the receive on the engine and waits for the trainer's send.
+
+Either way the orchestrator drives the same sequence (:mod:`rlrun_runtime.weights.update`: pause, load,
+version, cache, resume, verify) and asks the transport only what is published and how an engine loads it.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, Hashable
+
+if TYPE_CHECKING:
+    from rlrun_runtime.vllm_admin import VLLMAdmin
+
+
+class WeightTransport(abc.ABC):
+    """One transport over one run's storage. Subclasses set ``name`` (a ``spec.weightSync.transport`` value)."""
+
+    name: str = ""
+
+    # --- orchestrator side -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def newest_published(self) -> int:
+        """Newest policy version the trainer has published (0: only the initial model)."""
+
+    @abc.abstractmethod
+    def identity(self, version: int) -> Hashable | None:
+        """What tells one publication of ``version`` from another (a resumed trainer re-publishes a
+        version with other weights); None when ``version`` is not published."""
+
+    @abc.abstractmethod
+    def check_loadable(self, version: int) -> None:
+        """Raise ValueError (naming what is missing) when ``version`` cannot be loaded now; called before any
+        engine is paused, so a missing version never leaves an engine paused."""
+
+    @abc.abstractmethod
+    async def load_into(self, admin: "VLLMAdmin", version: int) -> None:
+        """Make the (paused) engine behind ``admin`` hold the weights of ``version``.
+
+        Raises:
+            EngineError: the engine refused or failed the load.
+        """
+
+    @abc.abstractmethod
+    def retire(self, loaded: int) -> list[int]:
+        """Free what versions older than ``loaded`` (loaded by every engine) hold; returns those versions."""
+
+    # --- trainer side ----------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def publish(self, state_dict: dict[str, Any], version: int, template_dir: Any) -> None:
+        """Make ``state_dict`` (full, unsharded; called on the trainer's rank 0 only) available as ``version``.
+
+        ``template_dir`` holds the model's non-weight files (config, tokenizer) a loaded version needs.
+        """

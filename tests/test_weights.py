@@ -1,0 +1,44 @@
+"""The weight-transport seam: the registry and the filesystem transport (pure file operations, no engine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlrun_runtime.storage import RunStorage
+from rlrun_runtime.weights import TRANSPORTS, get_transport
+from rlrun_runtime.weights.filesystem import FilesystemTransport
+
+
+def test_registry_knows_filesystem_and_names_what_exists():
+    assert sorted(TRANSPORTS) == ["filesystem"]
+    with pytest.raises(ValueError, match=r"spec.weightSync.transport: 'nccl' is not available; use one of: filesystem"):
+        get_transport("nccl", RunStorage("/nonexistent"))
+
+
+def test_filesystem_publish_identity_and_retire(tmp_path):
+    storage = RunStorage(tmp_path / "run")
+    transport = get_transport("filesystem", storage)
+    assert isinstance(transport, FilesystemTransport)
+    template = tmp_path / "template"
+    template.mkdir()
+    (template / "config.json").write_text("{}")
+    assert transport.newest_published() == 0 and transport.identity(1) is None
+    with pytest.raises(ValueError, match="not a directory"):
+        transport.check_loadable(1)
+
+    for version in (1, 2, 3):
+        transport.publish({"w": torch.full((2,), float(version))}, version, template)
+    assert transport.newest_published() == 3
+    transport.check_loadable(3)
+    files = sorted(p.name for p in transport.path(3).iterdir())
+    assert files == ["config.json", "model.safetensors"]
+    assert load_file(transport.path(3) / "model.safetensors")["w"].tolist() == [3.0, 3.0]
+
+    first = transport.identity(3)
+    transport.publish({"w": torch.zeros(2)}, 3, template)  # a resumed trainer re-publishes version 3
+    assert transport.identity(3) != first and transport.identity(3) is not None
+
+    assert transport.retire(3) == [1, 2]
+    assert transport.newest_published() == 3 and transport.identity(1) is None
