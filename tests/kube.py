@@ -44,6 +44,7 @@ import kopf
 from kmock._internal import enums
 
 from rlrun_api import constants
+from rlrun_operator.config import OperatorConfig
 from rlrun_operator.handlers import get_registry
 from rlrun_operator.kubeapi import KINDS, KubeApi, get_api_client
 
@@ -422,13 +423,14 @@ async def run_operator(server: str, status_interval: float = 1.0,
     """Run the real operator (rlrun_operator.handlers) embedded, cluster-wide and standalone, logged in
     to ``server`` through an ``@kopf.on.login`` handler; stops it (stop flag, then cancel) on exit.
     ``operator_namespace``: the namespace the operator believes it runs in (None: its own default)."""
-    registry = get_registry(status_interval=status_interval, login=False)
+    config = OperatorConfig.from_env({}, status_interval_s=status_interval, operator_namespace=operator_namespace)
+    registry = get_registry(config, login=False)
 
     @kopf.on.login(registry=registry)
     async def login(**_: Any) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=server)
 
-    memo = kopf.Memo(api=KubeApi(get_api_client(server)), operator_namespace=operator_namespace)
+    memo = kopf.Memo(api=KubeApi(get_api_client(server)), config=config)
     ready, stop = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(kopf.operator(registry=registry, clusterwide=True, standalone=True,
                                              memo=memo, ready_flag=ready, stop_flag=stop))

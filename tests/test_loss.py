@@ -9,7 +9,8 @@ import torch
 
 from rlrun_runtime.loss import LossMetrics, policy_loss, token_logprobs
 from rlrun_runtime.packing import count_loss_tokens, count_on_policy_tokens, get_micro_batch, get_micro_batches
-from rlrun_runtime.trainer import TrainerConfig, get_metrics_record, get_micro_batch_loss
+from rlrun_api.views import TrainerView
+from rlrun_runtime.trainer import get_metrics_record, get_micro_batch_loss
 from tiny_qwen3 import VOCAB, make_model
 
 # One row: three in-band tokens, one token whose ratio exp(-3) = 0.0498 is below ratio_low 0.125, and a
@@ -116,9 +117,10 @@ def _samples(count=7, seed=1):
     return out
 
 
-CFG = TrainerConfig(max_steps=1, micro_batch_size=1, learning_rate=1e-3, weight_decay=0.0, max_grad_norm=1.0,
-                    lr_schedule="constant", lr_warmup_steps=0, temperature=0.8, ratio_low=0.125, ratio_high=8.0,
-                    kl_coef=0.05, checkpoint_interval=1, checkpoint_keep=1, dtype="float32", use_gpu=False)
+CFG = TrainerView(model_name="rlrun-tiny", model_revision=None, max_steps=1, micro_batch_size=1,
+                  learning_rate=1e-3, weight_decay=0.0, max_grad_norm=1.0,
+                  lr_schedule="constant", lr_warmup_steps=0, temperature=0.8, ratio_low=0.125, ratio_high=8.0,
+                  kl_coef=0.05, checkpoint_interval=1, checkpoint_keep=1, dtype="float32", use_gpu=False)
 
 
 def _loss_and_grads(model, micro_batches, total, total_on_policy=0):

@@ -726,6 +726,7 @@ def _wait_for(predicate, seconds: float) -> bool:
     return False
 
 
+@pytest.mark.router
 @pytest.mark.timeout(90)
 def test_router_probe_paths_behave_as_rendered_with_the_real_vllm_router():
     """Liveness (/liveness) stays 200 when the only worker dies; readiness (/readiness) turns 503."""

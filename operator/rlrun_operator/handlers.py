@@ -1,19 +1,17 @@
 """The kopf handlers of the RLRun operator (thin: the work is in reconcile.py).
 
-``get_registry()`` builds a fresh kopf registry, so the operator can be embedded (tests, benchmark) with
-its own settings. Handlers:
-- startup: kopf settings (finalizer and annotation prefix under rlrun.dev, watch timeouts, Events only for
-  warnings), the API client in ``memo.api`` unless the embedder put one there, an HTTP session for scrapes,
-  the operator's namespace in ``memo.operator_namespace`` unless set (env constants.ENV_OPERATOR_NAMESPACE,
-  which the chart fills from the downward API; else constants.DEFAULT_OPERATOR_NAMESPACE).
+``get_registry(config)`` builds a fresh kopf registry, so the operator can be embedded (tests, benchmark) with
+its own settings (:class:`rlrun_operator.config.OperatorConfig`). The operator-wide memo holds ``api``,
+``http`` and ``config``; each run's memo holds a typed :class:`rlrun_operator.reconcile.RunState`. Handlers:
+- startup: kopf settings (finalizer and annotation prefix under rlrun.dev, timeouts from the config, Events
+  only for warnings), the API client in ``memo.api`` unless the embedder put one there, an HTTP session for
+  scrapes, ``memo.config`` unless the embedder set one.
 - create / update (spec only) / resume: reconcile the children, then write the status; update also prunes
   children the render no longer produces. A semantically invalid spec writes Ready=False reason InvalidSpec
   and one Warning Event, and creates nothing.
-- timer (every ``status_interval`` seconds): refresh the status from children and metrics; when the
-  run has just finished (phase Succeeded/Failed), reconcile it as finished (every workload but the Job
-  scaled to 0: its GPUs are given back); when a
-  workload of a live (not finished, valid) run is missing, reconcile it again (drift repair). kopf puts
-  its finalizer (constants.FINALIZER) on served RLRuns because of it.
+- timer (every ``config.status_interval_s`` seconds): refresh the status from children and metrics, then do
+  what ``reconcile.plan_after_refresh`` decides (finish: give a finished run's GPUs back; drift: recreate a
+  missing child). kopf puts its finalizer (constants.FINALIZER) on served RLRuns because of it.
 - delete (optional, no finalizer of its own): forget the run's metric series.
 
 Status writes: the handlers and the timer of one run run concurrently in kopf, so each status write holds
@@ -25,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any, Awaitable, Callable
 
 import aiohttp
@@ -34,16 +31,14 @@ import kopf
 from rlrun_api import constants
 from rlrun_operator import metrics
 from rlrun_operator.apply import ApplyConflict
+from rlrun_operator.config import OperatorConfig
 from rlrun_operator.kubeapi import ApiError, KubeApi, load_api_client
 from rlrun_operator.observe import read_workloads
-from rlrun_operator.reconcile import (StatusChange, get_invalid, get_rlrun, get_workloads, plan_status,
-                                      reconcile_run, refresh_run)
-from rlrun_operator.status import PHASE_FAILED, REASON_INVALID_SPEC, TERMINAL_PHASES
+from rlrun_operator.reconcile import (RunState, StatusChange, get_invalid, get_rlrun, get_workloads,
+                                      plan_after_refresh, plan_status, reconcile_run, refresh_run)
+from rlrun_operator.status import PHASE_FAILED, REASON_INVALID_SPEC
 
 RESOURCE = (constants.GROUP, constants.VERSION, constants.PLURAL)
-RETRY_DELAY_S = 5.0
-WATCH_SERVER_TIMEOUT_S = 300
-WATCH_CLIENT_TIMEOUT_S = 330
 
 
 def get_warmup_run() -> dict[str, Any]:
@@ -61,15 +56,22 @@ def _invalid_already_reported(rlrun: dict[str, Any], invalid: list[str]) -> bool
     return False
 
 
+def get_run_state(memo: kopf.Memo) -> RunState:
+    """The run's :class:`RunState` in its kopf memo (created on first use; kopf gives each object its own
+    shallow copy of the operator's memo, so this is per run)."""
+    state = getattr(memo, "run_state", None)
+    if state is None:
+        state = memo.run_state = RunState()
+    return state
+
+
 async def publish_status(memo: kopf.Memo, namespace: str, name: str,
                          compute: Callable[[dict[str, Any]], Awaitable[StatusChange]],
                          current: dict[str, Any] | None = None) -> None:
     """Under the run's lock: GET the RLRun (unless ``current`` is known to be the latest, as in the create
     handler, before anything else wrote a status), ``compute`` the change against it, write it to the
     status subresource when not empty, count the phase, post an Event on a phase transition."""
-    if getattr(memo, "status_lock", None) is None:
-        memo.status_lock = asyncio.Lock()
-    async with memo.status_lock:
+    async with get_run_state(memo).status_lock:
         fresh = current if current is not None else await memo.api.get(constants.KIND, namespace, name)
         if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
             return
@@ -83,15 +85,16 @@ async def publish_status(memo: kopf.Memo, namespace: str, name: str,
                        reason=change.new_phase, message=f"phase {change.old_phase or 'none'} -> {change.new_phase}")
 
 
-def get_registry(status_interval: float = constants.OPERATOR_STATUS_INTERVAL_S,
-                 login: bool = True) -> kopf.OperatorRegistry:
+def get_registry(config: OperatorConfig | None = None, login: bool = True) -> kopf.OperatorRegistry:
     """A kopf registry with every handler of the operator.
 
     Args:
-        status_interval: seconds between status refreshes of each run (also the timer's initial delay).
+        config: the operator's settings (default: ``OperatorConfig.from_env()``); an embedder's
+            ``memo.config`` wins at startup, but the timer interval is fixed here.
         login: log in like `kopf run` (kopf's own in-cluster service account, else KUBECONFIG login);
             False leaves it to the embedder, who adds an ``@kopf.on.login`` handler to the registry.
     """
+    config = config or OperatorConfig.from_env()
     registry = kopf.OperatorRegistry()
 
     if login:
@@ -105,16 +108,15 @@ def get_registry(status_interval: float = constants.OPERATOR_STATUS_INTERVAL_S,
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.ANNOTATION_PREFIX)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=constants.ANNOTATION_PREFIX, key="last-handled-configuration")
-        settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_S
-        settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT_S
-        settings.watching.connect_timeout = 30
-        settings.networking.request_timeout = 60
+        if getattr(memo, "config", None) is None:
+            memo.config = config
+        settings.watching.server_timeout = memo.config.watch_server_timeout_s
+        settings.watching.client_timeout = memo.config.watch_client_timeout_s
+        settings.watching.connect_timeout = memo.config.connect_timeout_s
+        settings.networking.request_timeout = memo.config.request_timeout_s
         settings.posting.level = logging.WARNING
         if getattr(memo, "api", None) is None:
             memo.api = KubeApi(load_api_client())
-        if getattr(memo, "operator_namespace", None) is None:
-            memo.operator_namespace = os.environ.get(constants.ENV_OPERATOR_NAMESPACE) or \
-                constants.DEFAULT_OPERATOR_NAMESPACE
         memo.http = aiohttp.ClientSession()
         # Compile the CRD's CEL rules now (about 1 s, cached) rather than in the first reconcile.
         await asyncio.to_thread(get_invalid, get_warmup_run())
@@ -129,52 +131,52 @@ def get_registry(status_interval: float = constants.OPERATOR_STATUS_INTERVAL_S,
                         finished: bool | None = None) -> None:
         rlrun = get_rlrun(body)
         meta = rlrun["metadata"]
+        state = get_run_state(memo)
         try:
             result = await reconcile_run(memo.api, rlrun, trigger, prune=prune, assume_absent=assume_absent,
-                                         finished=finished, operator_namespace=memo.operator_namespace)
+                                         finished=finished, operator_namespace=memo.config.operator_namespace)
             if result.invalid:
                 workloads = await read_workloads(memo.api, meta["namespace"], meta["name"])
             else:
                 workloads = get_workloads(result)
-                memo.reconciled_generation = meta.get("generation")
-            memo.invalid = result.invalid
+                state.reconciled_generation = meta.get("generation")
+            state.invalid = result.invalid
 
             async def compute(fresh: dict[str, Any]) -> StatusChange:
                 if result.invalid and not _invalid_already_reported(fresh, result.invalid):
                     kopf.event(fresh, type="Warning", reason=REASON_INVALID_SPEC, message="; ".join(result.invalid))
-                reconciled = getattr(memo, "reconciled_generation", None) or \
-                    (fresh.get("status") or {}).get("observedGeneration")
-                return plan_status(fresh, workloads, None, reconciled, result.invalid)
+                return plan_status(fresh, workloads, None, state.get_reconciled_generation(fresh), result.invalid)
 
-            # A new run: nobody has written its status yet (the timer waits for memo.reconciled).
+            # A new run: nobody has written its status yet (the timer waits for RunState.reconciled).
             first = rlrun if trigger == "create" and not (rlrun.get("status") or {}) else None
             await publish_status(memo, meta["namespace"], meta["name"], compute, current=first)
         except (ApiError, ApplyConflict) as exc:
-            raise kopf.TemporaryError(f"reconcile failed: {exc}", delay=RETRY_DELAY_S) from exc
-        memo.reconciled = True
+            raise kopf.TemporaryError(f"reconcile failed: {exc}", delay=memo.config.retry_delay_s) from exc
+        state.reconciled = True
 
-    @kopf.on.create(*RESOURCE, registry=registry, backoff=RETRY_DELAY_S)
+    @kopf.on.create(*RESOURCE, registry=registry, backoff=config.retry_delay_s)
     async def on_create(body: Any, memo: kopf.Memo, **_: Any) -> None:
         await reconcile(body, memo, "create", prune=False, assume_absent=True)
 
-    @kopf.on.update(*RESOURCE, field="spec", registry=registry, backoff=RETRY_DELAY_S)
+    @kopf.on.update(*RESOURCE, field="spec", registry=registry, backoff=config.retry_delay_s)
     async def on_update(body: Any, memo: kopf.Memo, **_: Any) -> None:
         await reconcile(body, memo, "update", prune=True, assume_absent=False)
 
-    @kopf.on.resume(*RESOURCE, registry=registry, backoff=RETRY_DELAY_S)
+    @kopf.on.resume(*RESOURCE, registry=registry, backoff=config.retry_delay_s)
     async def on_resume(body: Any, memo: kopf.Memo, **_: Any) -> None:
         await reconcile(body, memo, "resume", prune=False, assume_absent=False)
 
-    @kopf.timer(*RESOURCE, registry=registry, interval=status_interval, initial_delay=status_interval)
+    @kopf.timer(*RESOURCE, registry=registry, interval=config.status_interval_s,
+                initial_delay=config.status_interval_s)
     async def refresh(body: Any, memo: kopf.Memo, **_: Any) -> None:
-        if not getattr(memo, "reconciled", False):
+        state = get_run_state(memo)
+        if not state.reconciled:
             return  # the create/resume handler has not finished yet (it writes the first status)
         meta = body["metadata"]
 
         async def compute(fresh: dict[str, Any]) -> StatusChange:
-            reconciled = getattr(memo, "reconciled_generation", None) or \
-                (fresh.get("status") or {}).get("observedGeneration")
-            return await refresh_run(memo.api, memo.http, fresh, reconciled, getattr(memo, "invalid", None) or [])
+            return await refresh_run(memo.api, memo.http, fresh, state.get_reconciled_generation(fresh),
+                                     state.invalid)
 
         seen: list[tuple[dict[str, Any], StatusChange]] = []
 
@@ -185,15 +187,14 @@ def get_registry(status_interval: float = constants.OPERATOR_STATUS_INTERVAL_S,
         try:
             await publish_status(memo, meta["namespace"], meta["name"], compute_and_keep)
         except ApiError as exc:
-            raise kopf.TemporaryError(f"status refresh failed: {exc}", delay=RETRY_DELAY_S) from exc
-        if seen and seen[-1][1].new_phase in TERMINAL_PHASES and seen[-1][1].old_phase not in TERMINAL_PHASES:
-            # The orchestrator Job just finished: give the GPUs back (every workload but the Job to 0).
-            await reconcile(seen[-1][0], memo, "finish", prune=False, assume_absent=False, finished=True)
-        elif seen and seen[-1][1].missing and seen[-1][0].get("metadata", {}).get("generation") == \
-                getattr(memo, "reconciled_generation", None):
-            # Drift: a workload of a live run was deleted behind our back (and no spec change is pending,
-            # which the update handler would apply); converge every child of the fresh object again.
-            await reconcile(seen[-1][0], memo, "drift", prune=False, assume_absent=False)
+            raise kopf.TemporaryError(f"status refresh failed: {exc}", delay=memo.config.retry_delay_s) from exc
+        if not seen:
+            return
+        fresh, change = seen[-1]
+        follow_up = plan_after_refresh(fresh, change, state.reconciled_generation)
+        if follow_up is not None:
+            await reconcile(fresh, memo, follow_up, prune=False, assume_absent=False,
+                            finished=True if follow_up == "finish" else None)
 
     @kopf.on.delete(*RESOURCE, registry=registry, optional=True)
     async def forget(body: Any, **_: Any) -> None:

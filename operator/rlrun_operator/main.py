@@ -19,6 +19,7 @@ from prometheus_client import start_http_server
 
 from rlrun_api import constants
 from rlrun_operator import metrics
+from rlrun_operator.config import OperatorConfig
 from rlrun_operator.handlers import get_registry
 
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.REGISTRY)
     liveness = f"http://{args.metrics_host}:{args.health_port}/healthz" if args.health_port else None
     asyncio.run(kopf.operator(
-        registry=get_registry(status_interval=args.status_interval),
+        registry=get_registry(OperatorConfig.from_env(status_interval_s=args.status_interval)),
         standalone=True,
         clusterwide=not args.namespace,
         namespaces=args.namespace,

@@ -4,11 +4,12 @@ children and metrics -> status). Called by the kopf handlers in handlers.py; no 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import datetime
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import aiohttp
 
@@ -224,6 +225,48 @@ def plan_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress
         missing = tuple(f"{kind}/{name}" for kind, name in sorted(get_expected_children(rlrun))
                         if kind in checked and (kind, name) not in present)
     return StatusChange(status.get_status_patch(old, wanted), old.get("phase"), wanted["phase"], missing)
+
+
+@dataclass
+class RunState:
+    """What the operator remembers about one run between its handlers (kept in kopf's per-object memo).
+
+    Attributes:
+        status_lock: held for each status write (handlers and the timer of one run run concurrently).
+        reconciled: a create/resume/update reconcile has finished once (the timer waits for it).
+        reconciled_generation: metadata.generation of the last reconcile that rendered the children.
+        invalid: the spec's errors found by the last reconcile ([] when valid).
+    """
+
+    status_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    reconciled: bool = False
+    reconciled_generation: int | None = None
+    invalid: list[str] = field(default_factory=list)
+
+    def get_reconciled_generation(self, rlrun: dict[str, Any]) -> int | None:
+        """The generation the children were last rendered for: ours, else (after an operator restart, before
+        the resume handler ran) the one the status says."""
+        return self.reconciled_generation or (rlrun.get("status") or {}).get("observedGeneration")
+
+
+FollowUp = Literal["finish", "drift"]
+
+
+def plan_after_refresh(rlrun: dict[str, Any], change: StatusChange,
+                       reconciled_generation: int | None) -> FollowUp | None:
+    """What the status timer does after a refresh of ``rlrun`` made ``change`` (pure).
+
+    - ``"finish"``: the run has just reached Succeeded or Failed: reconcile it as finished (every workload
+      but the orchestrator Job scaled to 0, so its GPUs are given back).
+    - ``"drift"``: a rendered child of a live run is missing and no spec change is pending (the update
+      handler applies those): reconcile again to recreate it.
+    - None: nothing to do.
+    """
+    if change.new_phase in status.TERMINAL_PHASES and change.old_phase not in status.TERMINAL_PHASES:
+        return "finish"
+    if change.missing and rlrun.get("metadata", {}).get("generation") == reconciled_generation:
+        return "drift"
+    return None
 
 
 async def refresh_run(api: KubeApi, session: aiohttp.ClientSession, rlrun: dict[str, Any],

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from rlrun_api import constants
+from rlrun_api.views import InferenceView
 from rlrun_runtime.role import RoleConfigError, env_port, env_required, load_spec
 from rlrun_runtime.role_exec import exec_server
 from rlrun_runtime.storage import RunStorage, list_steps
@@ -59,17 +60,17 @@ def get_vllm_args(spec: Mapping[str, Any], role: str, model: str, port: int,
         raise RoleConfigError(
             f"{constants.ENV_INFERENCE_ROLE}={role!r} is not a valid inference role; set it to one of {', '.join(ROLES)}"
         )
-    inference = spec["inference"]
-    on_cpu = int(inference["gpusPerReplica"]) == 0
+    view = InferenceView.from_spec(spec)
+    on_cpu = view.gpus_per_replica == 0
     args = [
         "--model", str(model),
         "--served-model-name", constants.SERVED_MODEL_NAME,
         "--host", host,
         "--port", str(int(port)),
-        "--dtype", str(spec["model"]["dtype"]),
-        "--max-model-len", str(int(spec["model"]["maxModelLen"])),
-        "--tensor-parallel-size", str(int(inference["tensorParallel"])),
-        "--data-parallel-size", str(int(inference["dataParallel"])),
+        "--dtype", view.dtype,
+        "--max-model-len", str(view.max_model_len),
+        "--tensor-parallel-size", str(view.tensor_parallel),
+        "--data-parallel-size", str(view.data_parallel),
         # Logprobs of the sampled distribution (temperature and top-p applied): see the module docstring.
         "--logprobs-mode", "processed_logprobs",
         # Sampling uses only what each request sends (temperature, top_p): vLLM's default "auto" would add the
@@ -81,24 +82,20 @@ def get_vllm_args(spec: Mapping[str, Any], role: str, model: str, port: int,
     ]
     if tokenizer:
         args += ["--tokenizer", str(tokenizer)]
-    revision = spec["model"].get("revision")
-    if revision:  # spec.model.revision applies to the Hugging Face id only, never to a directory
-        if str(model) == spec["model"]["name"]:
-            args += ["--revision", str(revision)]
-        if tokenizer and str(tokenizer) == spec["model"]["name"]:
-            args += ["--tokenizer-revision", str(revision)]
+    if view.model_revision:  # spec.model.revision applies to the Hugging Face id only, never to a directory
+        if str(model) == view.model_name:
+            args += ["--revision", str(view.model_revision)]
+        if tokenizer and str(tokenizer) == view.model_name:
+            args += ["--tokenizer-revision", str(view.model_revision)]
     if on_cpu:
         # CUDA graphs do not exist on CPU; eager start-up is ~2x faster (field notes).
         args.append("--enforce-eager")
     if role in KV_ROLES:
-        kv_config: dict[str, Any] = {
-            "kv_connector": inference["disaggregation"]["kvConnector"],
-            "kv_role": KV_ROLES[role],
-        }
+        kv_config: dict[str, Any] = {"kv_connector": view.kv_connector, "kv_role": KV_ROLES[role]}
         if on_cpu:
             kv_config["kv_buffer_device"] = "cpu"
         args += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))]
-    args += [str(a) for a in inference.get("vllmArgs") or []]
+    args += list(view.vllm_args)
     return args
 
 

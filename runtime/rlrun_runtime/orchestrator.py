@@ -39,6 +39,7 @@ from typing import Any, Hashable, Mapping, Sequence
 import httpx
 
 from rlrun_api import constants
+from rlrun_api.views import OrchestratorView
 from rlrun_runtime.role import RoleConfigError, load_spec
 from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
 from rlrun_runtime.rollouts import (Completion, Group, assemble_batch, get_completion_request, parse_completion_choice,
@@ -112,10 +113,9 @@ class Orchestrator:
     def __init__(self, spec: Mapping[str, Any], storage: RunStorage, env: Any, tokenizer: Any,
                  endpoints: Sequence[str], router_url: str | None, metrics: OrchestratorMetrics,
                  *, poll_s: float = POLL_S, health_timeout_s: float = HEALTH_TIMEOUT_S):
-        algo = spec["algorithm"]
-        self.spec = spec
+        view = OrchestratorView.from_spec(spec)
         self.storage = storage
-        self.transport = get_transport(spec["weightSync"]["transport"], storage)
+        self.transport = get_transport(view.weight_transport, storage)
         self.env = env
         self.tokenizer = tokenizer
         self.endpoints = list(endpoints)
@@ -123,19 +123,19 @@ class Orchestrator:
         self.metrics = metrics
         self.poll_s = poll_s
         self.health_timeout_s = health_timeout_s
-        self.max_steps = int(algo["maxSteps"])
-        self.group_size = int(algo["rolloutsPerPrompt"])
-        self.batch_size = int(algo["batchSize"])
-        self.max_async = int(algo["maxAsyncLevel"])
-        self.max_off_policy = int(algo["maxOffPolicySteps"])
-        self.std_normalize = bool(algo["advantageStdNormalization"])
-        self.sampling = algo["sampling"]
-        self.max_model_len = int(spec["model"]["maxModelLen"])
+        self.max_steps = view.max_steps
+        self.group_size = view.rollouts_per_prompt
+        self.batch_size = view.batch_size
+        self.max_async = view.max_async_level
+        self.max_off_policy = view.max_off_policy_steps
+        self.std_normalize = view.advantage_std_normalization
+        self.sampling = {"temperature": view.temperature, "topP": view.top_p}
+        self.max_tokens = view.max_tokens
+        self.max_model_len = view.max_model_len
         # Choices per completions request: the whole group at once, except behind prefill/decode
         # disaggregation, where vLLM 0.32's completions handler returns only the first choice's
         # kv_transfer_params (entrypoints/openai/completion/serving.py), i.e. one KV hand-off for n sequences.
-        disaggregated = bool(((spec.get("inference") or {}).get("disaggregation") or {}).get("enabled"))
-        self.choices_per_request = 1 if disaggregated else self.group_size
+        self.choices_per_request = 1 if view.disaggregated else self.group_size
         self.loaded_version = -1            # version every engine has loaded; -1 until the first check
         self.version_changed = asyncio.Event()
         # Open (set) except while a weight update is in flight: a new request reads loaded_version only
@@ -144,7 +144,7 @@ class Orchestrator:
         self.weights_stable.set()
         self.leftover: list[Group] = []
         self.signal_rate: float | None = None  # share of assembled groups that had a learning signal
-        self.seed_rng = random.Random(int(spec["environment"].get("seed", 0)))
+        self.seed_rng = random.Random(int(view.environment.get("seed", 0)))
         self._round_robin = itertools.count()
         self._loaded_identity: Hashable | None = None
         self._client: httpx.AsyncClient | None = None
@@ -356,7 +356,7 @@ class Orchestrator:
         """
         task = self.env.task(task_index)
         prompt_ids, prompt_text = render_prompt(self.tokenizer, task.prompt)
-        max_tokens = min(int(self.sampling["maxTokens"]), self.max_model_len - len(prompt_ids))
+        max_tokens = min(self.max_tokens, self.max_model_len - len(prompt_ids))
         if max_tokens < 1:
             log.warning("task %d: prompt of %d tokens leaves no room under maxModelLen %d; skipped",
                         task_index, len(prompt_ids), self.max_model_len)
@@ -521,7 +521,7 @@ def main(argv: list[str]) -> int:
         from rlrun_runtime.environments import EnvironmentSpecError, load_environment
 
         try:
-            environment = load_environment(spec["environment"])
+            environment = load_environment(dict(OrchestratorView.from_spec(spec).environment))
         except EnvironmentSpecError as err:
             raise RoleConfigError(str(err)) from err
     except RoleConfigError as err:
@@ -532,10 +532,11 @@ def main(argv: list[str]) -> int:
 
     from rlrun_runtime.tiny_model import ensure_model
 
+    view = OrchestratorView.from_spec(spec)
     model = ensure_model(spec, storage)
-    revision = spec["model"].get("revision") if model == spec["model"]["name"] else None
+    revision = view.model_revision if model == view.model_name else None
     tokenizer = AutoTokenizer.from_pretrained(model, revision=revision)
-    metrics = OrchestratorMetrics(int(spec["algorithm"]["maxSteps"]))
+    metrics = OrchestratorMetrics(view.max_steps)
     server, _ = metrics.serve(int(metrics_port), addr=env.get(constants.ENV_BIND_HOST, "").strip() or constants.DEFAULT_BIND_HOST)
     orchestrator = Orchestrator(spec, storage, environment, tokenizer, endpoints,
                                 env.get(constants.ENV_ROUTER_URL, "").strip() or None, metrics)

@@ -18,6 +18,7 @@ import sys
 from typing import Any, Mapping
 
 from rlrun_api import constants
+from rlrun_api.views import RouterView
 from rlrun_runtime.role import RoleConfigError, env_required, load_spec
 from rlrun_runtime.role_exec import exec_server
 
@@ -57,7 +58,8 @@ def get_router_args(spec: Mapping[str, Any], env: Mapping[str, str]) -> list[str
     Raises:
         RoleConfigError: an env var above is missing or the discovery mode is unknown.
     """
-    disaggregated = bool(spec["inference"]["disaggregation"]["enabled"])
+    view = RouterView.from_spec(spec)
+    disaggregated = view.disaggregated
     host = env.get(constants.ENV_BIND_HOST, "").strip() or constants.DEFAULT_BIND_HOST
     args = [
         "--host", host,
@@ -65,7 +67,7 @@ def get_router_args(spec: Mapping[str, Any], env: Mapping[str, str]) -> list[str
         "--prometheus-host", host,
         "--prometheus-port",
         env.get(constants.ENV_ROUTER_METRICS_PORT, "").strip() or str(constants.ROUTER_METRICS_PORT),
-        "--policy", str(spec["router"]["policy"]),
+        "--policy", view.policy,
         "--worker-startup-check-interval", str(WORKER_STARTUP_CHECK_INTERVAL_S),
     ]
     if disaggregated:
@@ -95,7 +97,7 @@ def get_router_args(spec: Mapping[str, Any], env: Mapping[str, str]) -> list[str
         raise RoleConfigError(
             f"{constants.ENV_ROUTER_DISCOVERY}={discovery!r} is unknown; set it to one of {', '.join(DISCOVERY_MODES)}"
         )
-    args += [str(a) for a in spec["router"].get("args") or []]
+    args += list(view.args)
     return args
 
 

@@ -22,7 +22,6 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ import torch.distributed as dist
 
 from rlrun_api import constants as c
 from rlrun_api.validation import check_implemented
+from rlrun_api.views import TrainerView
 from rlrun_runtime.role import RoleConfigError, load_rlrun
 
 from . import checkpoint as ckpt
@@ -45,39 +45,9 @@ BATCH_POLL_SECONDS = 0.05
 DISTRIBUTED_TIMEOUT = datetime.timedelta(minutes=30)
 
 
-@dataclass(frozen=True)
-class TrainerConfig:
-    """The trainer's knobs, read from an RLRun with defaults applied (field names follow the spec)."""
-
-    max_steps: int
-    micro_batch_size: int
-    learning_rate: float
-    weight_decay: float
-    max_grad_norm: float
-    lr_schedule: str
-    lr_warmup_steps: int
-    temperature: float
-    ratio_low: float
-    ratio_high: float
-    kl_coef: float
-    checkpoint_interval: int
-    checkpoint_keep: int
-    dtype: str
-    use_gpu: bool
-
-
-def get_trainer_config(rlrun: dict[str, Any]) -> TrainerConfig:
-    """The :class:`TrainerConfig` of a defaulted RLRun (``apply_defaults`` output)."""
-    spec = rlrun["spec"]
-    alg, trainer = spec["algorithm"], spec["trainer"]
-    return TrainerConfig(
-        max_steps=alg["maxSteps"], micro_batch_size=alg["microBatchSize"], learning_rate=alg["learningRate"],
-        weight_decay=alg["weightDecay"], max_grad_norm=alg["maxGradNorm"], lr_schedule=alg["lrSchedule"],
-        lr_warmup_steps=alg["lrWarmupSteps"], temperature=alg["sampling"]["temperature"],
-        ratio_low=alg["loss"]["ratioLow"], ratio_high=alg["loss"]["ratioHigh"], kl_coef=alg["loss"]["klCoef"],
-        checkpoint_interval=trainer["checkpoint"]["intervalSteps"], checkpoint_keep=trainer["checkpoint"]["keep"],
-        dtype=spec["model"]["dtype"], use_gpu=trainer["gpusPerNode"] > 0,
-    )
+def get_trainer_config(rlrun: dict[str, Any]) -> TrainerView:
+    """The trainer's typed view (:class:`rlrun_api.views.TrainerView`) of a defaulted RLRun."""
+    return TrainerView.from_spec(rlrun["spec"])
 
 
 def get_unsupported_fields(rlrun: dict[str, Any], world_size: int) -> list[str]:
@@ -123,7 +93,7 @@ def get_torch_dtype(name: str, model_config: Any = None) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
-def get_micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, total_loss_tokens: int, cfg: TrainerConfig,
+def get_micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, total_loss_tokens: int, cfg: TrainerView,
                          device: torch.device, total_on_policy_tokens: int = 0) -> tuple[torch.Tensor, LossMetrics]:
     """Forward one micro-batch and return ``policy_loss`` (normalised by the step's ``total_loss_tokens``;
     ``mismatch_kl_on_policy`` by the step's ``total_on_policy_tokens``).
@@ -345,7 +315,7 @@ def init_distributed(use_gpu: bool) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def build_model(model_path: str, cfg: TrainerConfig, device: torch.device, revision: str | None) -> Any:
+def build_model(model_path: str, cfg: TrainerView, device: torch.device, revision: str | None) -> Any:
     """Load the HF causal LM in float32 (master weights) and shard it with FSDP2.
 
     Each decoder layer is its own FSDP unit, then the root. With a bf16/fp16 ``spec.model.dtype`` the
@@ -383,8 +353,8 @@ class Trainer:
                  device: torch.device):
         self.cfg = get_trainer_config(rlrun)
         self.storage, self.rank, self.world, self.device = storage, rank, world, device
-        self.transport = get_transport(rlrun["spec"]["weightSync"]["transport"], storage)
-        self.revision = rlrun["spec"]["model"].get("revision")
+        self.transport = get_transport(self.cfg.weight_transport, storage)
+        self.revision = self.cfg.model_revision
         self.model = build_model(model_path, self.cfg, device, self.revision)
         config = self.model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -1,0 +1,284 @@
+"""Typed, frozen views of a defaulted RLRun spec: one per reader (pure).
+
+Each view declares the spec paths its reader reads (``READS``, minus ``IGNORES``) and is built from that
+projection of the spec only (:func:`project`), so a role cannot read a field its view does not declare. The
+operator hashes the same projection into each pod template's ``rlrun.dev/config-hash``
+(``rlrun_operator.render_config``): what a role reads and what rolls its pods are one declaration.
+
+Fields that are rendered into the pod template directly (image, resources, pod overrides, replica counts,
+suspend) are left out of the projections: the template already changes when they do, or they must not roll
+pods (replica seeds; suspend only scales to zero).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+FieldPath = tuple[str, ...]
+
+# Replica seeds: the operator owns replicas after creation, so seeds never roll pods.
+REPLICA_SEEDS: tuple[FieldPath, ...] = (
+    ("inference", "replicas"),
+    ("inference", "disaggregation", "replicas"),
+    ("inference", "disaggregation", "ratio"),
+)
+RESOURCES: tuple[FieldPath, ...] = (
+    ("trainer", "resources"),
+    ("inference", "resources"),
+    ("router", "resources"),
+    ("orchestrator", "resources"),
+)
+# Fields only the inference and router roles read (the vLLM and vllm-router command lines).
+INFERENCE_ONLY: tuple[FieldPath, ...] = (
+    ("inference", "vllmArgs"),
+    ("inference", "gpusPerReplica"),
+    ("inference", "tensorParallel"),
+    ("inference", "dataParallel"),
+    ("inference", "disaggregation", "kvConnector"),
+    ("router",),
+)
+
+
+def _get_path(spec: Mapping[str, Any], path: FieldPath) -> tuple[bool, Any]:
+    node: Any = spec
+    for key in path:
+        if not isinstance(node, Mapping) or key not in node:
+            return False, None
+        node = node[key]
+    return True, node
+
+
+def _set_path(view: dict[str, Any], path: FieldPath, value: Any) -> dict[str, Any]:
+    if not path:
+        return copy.deepcopy(dict(value))
+    node = view
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = copy.deepcopy(value)
+    return view
+
+
+def _drop_path(view: dict[str, Any], path: FieldPath) -> None:
+    node: Any = view
+    for key in path[:-1]:
+        if not isinstance(node, dict) or key not in node:
+            return
+        node = node[key]
+    if isinstance(node, dict):
+        node.pop(path[-1], None)
+
+
+def project(spec: Mapping[str, Any], reads: tuple[FieldPath, ...], ignores: tuple[FieldPath, ...] = ()
+            ) -> dict[str, Any]:
+    """The part of ``spec`` under ``reads`` (a path ``()`` is the whole spec) without ``ignores``; a new dict.
+
+    A path absent from ``spec`` is absent from the result.
+    """
+    view: dict[str, Any] = {}
+    for path in reads:
+        found, value = _get_path(spec, path)
+        if found:
+            view = _set_path(view, path, value)
+    for path in ignores:
+        _drop_path(view, path)
+    return view
+
+
+class SpecView:
+    """Base of the views: ``READS``/``IGNORES`` and :meth:`project`."""
+
+    READS: ClassVar[tuple[FieldPath, ...]] = ()
+    IGNORES: ClassVar[tuple[FieldPath, ...]] = ()
+
+    @classmethod
+    def project(cls, spec: Mapping[str, Any]) -> dict[str, Any]:
+        """The projection of ``spec`` this view reads (what the config hash covers)."""
+        return project(spec, cls.READS, cls.IGNORES)
+
+
+@dataclass(frozen=True)
+class TrainerView(SpecView):
+    """What the trainer reads: the model, the algorithm (loss, optimiser, schedule, the sampling temperature
+    for its logprobs), its own layout and checkpoints, and the weight transport. Storage paths reach it
+    through the pod template (mount path, claim); the environment is the orchestrator's."""
+
+    READS: ClassVar[tuple[FieldPath, ...]] = (("model",), ("algorithm",), ("trainer",), ("weightSync",))
+    IGNORES: ClassVar[tuple[FieldPath, ...]] = (("trainer", "resources"),)
+
+    model_name: str
+    model_revision: str | None
+    dtype: str
+    max_steps: int
+    micro_batch_size: int
+    learning_rate: float
+    weight_decay: float
+    max_grad_norm: float
+    lr_schedule: str
+    lr_warmup_steps: int
+    temperature: float
+    ratio_low: float
+    ratio_high: float
+    kl_coef: float
+    checkpoint_interval: int
+    checkpoint_keep: int
+    use_gpu: bool
+    weight_transport: str = "filesystem"
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> "TrainerView":
+        """The view of a defaulted spec (``apply_defaults(rlrun)["spec"]``)."""
+        view = cls.project(spec)
+        model, alg, trainer = view["model"], view["algorithm"], view["trainer"]
+        return cls(
+            model_name=model["name"], model_revision=model.get("revision"), dtype=model["dtype"],
+            max_steps=alg["maxSteps"], micro_batch_size=alg["microBatchSize"], learning_rate=alg["learningRate"],
+            weight_decay=alg["weightDecay"], max_grad_norm=alg["maxGradNorm"], lr_schedule=alg["lrSchedule"],
+            lr_warmup_steps=alg["lrWarmupSteps"], temperature=alg["sampling"]["temperature"],
+            ratio_low=alg["loss"]["ratioLow"], ratio_high=alg["loss"]["ratioHigh"], kl_coef=alg["loss"]["klCoef"],
+            checkpoint_interval=trainer["checkpoint"]["intervalSteps"], checkpoint_keep=trainer["checkpoint"]["keep"],
+            use_gpu=trainer["gpusPerNode"] > 0, weight_transport=view["weightSync"]["transport"])
+
+
+@dataclass(frozen=True)
+class InferenceView(SpecView):
+    """What the inference role reads to build the vLLM command line: model (name, revision, dtype,
+    maxModelLen), inference (parallelism, KV connector, vllmArgs) and the weight transport. Sampling
+    parameters travel with each request, so algorithm.sampling does not roll these pods."""
+
+    READS: ClassVar[tuple[FieldPath, ...]] = (("model",), ("inference",), ("weightSync",))
+    IGNORES: ClassVar[tuple[FieldPath, ...]] = REPLICA_SEEDS + (("inference", "resources"),)
+
+    model_name: str
+    model_revision: str | None
+    dtype: str
+    max_model_len: int
+    gpus_per_replica: int
+    tensor_parallel: int
+    data_parallel: int
+    disaggregated: bool
+    kv_connector: str
+    vllm_args: tuple[str, ...]
+    weight_transport: str
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> "InferenceView":
+        """The view of a defaulted spec."""
+        view = cls.project(spec)
+        model, inference = view["model"], view["inference"]
+        disaggregation = inference["disaggregation"]
+        return cls(
+            model_name=model["name"], model_revision=model.get("revision"), dtype=str(model["dtype"]),
+            max_model_len=int(model["maxModelLen"]), gpus_per_replica=int(inference["gpusPerReplica"]),
+            tensor_parallel=int(inference["tensorParallel"]), data_parallel=int(inference["dataParallel"]),
+            disaggregated=bool(disaggregation["enabled"]), kv_connector=str(disaggregation["kvConnector"]),
+            vllm_args=tuple(str(a) for a in inference.get("vllmArgs") or []),
+            weight_transport=view["weightSync"]["transport"])
+
+
+@dataclass(frozen=True)
+class RouterView(SpecView):
+    """What the router role reads to build vllm-router's arguments: policy, extra args, P/D mode or not."""
+
+    READS: ClassVar[tuple[FieldPath, ...]] = (("router",), ("inference", "disaggregation", "enabled"))
+    IGNORES: ClassVar[tuple[FieldPath, ...]] = (("router", "resources"),)
+
+    policy: str
+    args: tuple[str, ...]
+    disaggregated: bool
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> "RouterView":
+        """The view of a defaulted spec."""
+        view = cls.project(spec)
+        return cls(policy=str(view["router"]["policy"]),
+                   args=tuple(str(a) for a in view["router"].get("args") or []),
+                   disaggregated=bool(view["inference"]["disaggregation"]["enabled"]))
+
+
+@dataclass(frozen=True)
+class OrchestratorView(SpecView):
+    """What the orchestrator reads: nearly everything. It is a Job, whose pod template is immutable, so the
+    operator recreates the Job when this projection changes (it resumes from orchestrator/state.json). Of
+    the inference section it reads only disaggregation.enabled (the request shape); the vLLM command line
+    and the router's configuration are other roles' business."""
+
+    READS: ClassVar[tuple[FieldPath, ...]] = ((),)
+    IGNORES: ClassVar[tuple[FieldPath, ...]] = (
+        (("autoscaling",), ("pod",), ("suspend",), ("image",), ("imagePullPolicy",), ("imagePullSecrets",))
+        + REPLICA_SEEDS + RESOURCES + INFERENCE_ONLY)
+
+    model_name: str
+    model_revision: str | None
+    max_steps: int
+    rollouts_per_prompt: int
+    batch_size: int
+    max_async_level: int
+    max_off_policy_steps: int
+    advantage_std_normalization: bool
+    temperature: float
+    top_p: float
+    max_tokens: int
+    max_model_len: int
+    disaggregated: bool
+    environment: Mapping[str, Any]
+    weight_transport: str
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> "OrchestratorView":
+        """The view of a defaulted spec."""
+        view = cls.project(spec)
+        alg = view["algorithm"]
+        sampling = alg["sampling"]
+        return cls(
+            model_name=view["model"]["name"], model_revision=view["model"].get("revision"),
+            max_steps=int(alg["maxSteps"]), rollouts_per_prompt=int(alg["rolloutsPerPrompt"]),
+            batch_size=int(alg["batchSize"]), max_async_level=int(alg["maxAsyncLevel"]),
+            max_off_policy_steps=int(alg["maxOffPolicySteps"]),
+            advantage_std_normalization=bool(alg["advantageStdNormalization"]),
+            temperature=float(sampling["temperature"]), top_p=float(sampling["topP"]),
+            max_tokens=int(sampling["maxTokens"]), max_model_len=int(view["model"]["maxModelLen"]),
+            disaggregated=bool(view["inference"]["disaggregation"]["enabled"]),
+            environment=view["environment"], weight_transport=view["weightSync"]["transport"])
+
+
+@dataclass(frozen=True)
+class PoolBounds:
+    """Replica bounds of one inference pool (``spec.autoscaling.<pool>``)."""
+
+    min: int
+    max: int
+
+
+@dataclass(frozen=True)
+class AutoscalingView(SpecView):
+    """What the autoscaling policy reads: ``spec.autoscaling`` (the operator reads it; no pod does, so it
+    rolls none) and whether inference is disaggregated (autoscaling needs it)."""
+
+    READS: ClassVar[tuple[FieldPath, ...]] = (("autoscaling",), ("inference", "disaggregation", "enabled"))
+
+    enabled: bool
+    disaggregated: bool
+    prefill: PoolBounds
+    decode: PoolBounds
+    scrape_interval_s: float
+    up_cooldown_s: float
+    down_cooldown_s: float
+    scale_up_waiting: float
+    scale_down_waiting: float
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> "AutoscalingView":
+        """The view of a defaulted spec."""
+        view = cls.project(spec)
+        auto = view["autoscaling"]
+        thresholds = auto["thresholds"]
+        return cls(
+            enabled=bool(auto["enabled"]), disaggregated=bool(view["inference"]["disaggregation"]["enabled"]),
+            prefill=PoolBounds(int(auto["prefill"]["min"]), int(auto["prefill"]["max"])),
+            decode=PoolBounds(int(auto["decode"]["min"]), int(auto["decode"]["max"])),
+            scrape_interval_s=float(auto["scrapeIntervalSeconds"]), up_cooldown_s=float(auto["upCooldownSeconds"]),
+            down_cooldown_s=float(auto["downCooldownSeconds"]),
+            scale_up_waiting=float(thresholds["scaleUpWaiting"]),
+            scale_down_waiting=float(thresholds["scaleDownWaiting"]))
