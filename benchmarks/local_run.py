@@ -19,8 +19,9 @@ checkpoint every intervalSteps), so ``trainer idle = sum(wait_seconds) / window`
 sum of ``gate_wait_seconds`` of batches K+1..N over the window between the writes of batches K and N, and
 weights-paused time is the sum of pause -> resume latencies of the updates in that window.
 
-Targets (from the issue): trainer idle <= 20 % of steady-state wall time; pause -> resume < 1 s (checked on
-p99). A miss is printed as MISSED; the exit code is that of ``rlrun local`` (0 even when a target is missed).
+Targets (from the issues): trainer idle <= 20 % of steady-state wall time; pause -> resume < 1 s (checked on
+p99); the embedded default learns: last fifth >= 0.75, gain >= 0.25, exact-match rate of the last fifth >= 30 %.
+A miss is printed as MISSED; the exit code is that of ``rlrun local`` (0 even when a target is missed).
 """
 
 from __future__ import annotations
@@ -37,10 +38,16 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from rlrun_runtime.local.progress import get_reward_summary
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FILE = ROOT / "examples" / "rlrun-tiny.yaml"
 TRAINER_IDLE_TARGET = 0.20     # fraction of steady-state wall time
 PAUSE_RESUME_TARGET_MS = 1000.0
+# The embedded default's learning targets (reliability issue, section 1), per seed.
+LAST_FIFTH_TARGET = 0.75       # mean reward of the last fifth of steps
+GAIN_TARGET = 0.25             # last fifth minus first fifth
+EXACT_MATCH_TARGET = 0.30      # exact reversals among the last fifth's rollouts
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -93,8 +100,7 @@ def get_figures(records: Sequence[Mapping[str, Any]], batches: Mapping[int, Mapp
     batch_window = (n_batch - k_batch) if (k_batch is not None and n_batch is not None) else None
     latencies = [ms for u in updates for ms in u["latency_ms"].values()]
     steady_latencies = [ms for u in updates if start <= u["time"] <= last["time"] for ms in u["latency_ms"].values()]
-    rewards = [r["reward_mean"] for r in records if r.get("reward_mean") is not None]
-    fifth = max(1, len(rewards) // 5)
+    summary = get_reward_summary(records)
     return {
         "steps": len(records),
         "warmup_steps": warmup_steps,
@@ -114,8 +120,10 @@ def get_figures(records: Sequence[Mapping[str, Any]], batches: Mapping[int, Mapp
         "pause_resume_ms_p50": percentile(latencies, 50),
         "pause_resume_ms_p99": percentile(latencies, 99),
         "pause_resume_ms_max": max(latencies) if latencies else None,
-        "reward_first_fifth": mean(rewards[:fifth]),
-        "reward_last_fifth": mean(rewards[-fifth:]),
+        "reward_first_fifth": summary.first_fifth if summary else None,
+        "reward_last_fifth": summary.last_fifth if summary else None,
+        "exact_match_first_fifth": summary.exact_first_fifth if summary else None,
+        "exact_match_last_fifth": summary.exact_last_fifth if summary else None,
     }
 
 
@@ -130,6 +138,16 @@ def get_target_lines(figures: Mapping[str, Any]) -> list[str]:
     else:
         lines.append(f"target pause->resume < {PAUSE_RESUME_TARGET_MS:.0f} ms (p99): "
                      f"{'met' if p99 < PAUSE_RESUME_TARGET_MS else 'MISSED'} ({p99:.0f} ms)")
+    first, last = figures.get("reward_first_fifth"), figures.get("reward_last_fifth")
+    exact = figures.get("exact_match_last_fifth")
+    if first is not None and last is not None:
+        lines.append(f"target reward last fifth >= {LAST_FIFTH_TARGET}: "
+                     f"{'met' if last >= LAST_FIFTH_TARGET else 'MISSED'} ({last:.3f})")
+        lines.append(f"target gain over the first fifth >= {GAIN_TARGET}: "
+                     f"{'met' if last - first >= GAIN_TARGET else 'MISSED'} ({last - first:+.3f})")
+    if exact is not None:
+        lines.append(f"target exact-match rate of the last fifth >= {EXACT_MATCH_TARGET:.0%}: "
+                     f"{'met' if exact >= EXACT_MATCH_TARGET else 'MISSED'} ({exact:.1%})")
     return lines
 
 
@@ -159,7 +177,9 @@ def render_report(figures: Mapping[str, Any], total_wall_s: float | None, machin
         f"weight update pause->resume: p50 {f('pause_resume_ms_p50', '.0f')} ms, "
         f"p99 {f('pause_resume_ms_p99', '.0f')} ms, max {f('pause_resume_ms_max', '.0f')} ms "
         f"({figures['weight_updates']} updates)",
-        f"reward: first fifth {f('reward_first_fifth', '.3f')}, last fifth {f('reward_last_fifth', '.3f')}",
+        f"reward: first fifth {f('reward_first_fifth', '.3f')}, last fifth {f('reward_last_fifth', '.3f')}; "
+        f"exact match: first fifth {f('exact_match_first_fifth', '.1f', 100)} %, "
+        f"last fifth {f('exact_match_last_fifth', '.1f', 100)} %",
     ]
     return "\n".join(lines + get_target_lines(figures))
 

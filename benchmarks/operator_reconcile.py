@@ -1,6 +1,6 @@
 """Benchmark: 100 RLRuns created at once against kmock; how fast and how frugally the operator converges.
 
-Setup: this process serves kmock's KubernetesEmulator with the fidelity layer of tests/kube.py on a loopback
+Setup: this process serves kmock's KubernetesEmulator with the fidelity layer of tests/support/kube.py on a loopback
 port and records, per run, when its POST returned and when the API server stored its last child. The real
 operator runs as a separate process (`rlrun-operator`, logged in through a KUBECONFIG that points at the
 emulator), as it would in a cluster. Printed figures:
@@ -9,7 +9,7 @@ emulator), as it would in a cluster. Printed figures:
   annotations, our status), Events;
 - write calls during a no-op resync: (a) while the operator idles through several status intervals, (b)
   across an operator restart (every run's resume handler reconciles it again).
-Not a timed test: run it by hand, `.venv/bin/python benchmarks/operator_reconcile.py [--runs 100]`.
+Not a timed test: run it by hand from the repository root, `.venv/bin/python -m benchmarks.operator_reconcile [--runs 100]`.
 """
 
 from __future__ import annotations
@@ -34,13 +34,11 @@ import kmock
 import yaml
 from kmock._internal import enums
 
+from rlrun_api import constants
+from rlrun_operator.kubeapi import KubeApi, get_api_client
+from tests.support.kube import FidelityEmulator  # the kmock fidelity layer; run from the repository root
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from kube import FidelityEmulator  # noqa: E402  (tests/kube.py: the kmock fidelity layer)
-
-from rlrun_api import constants  # noqa: E402
-from rlrun_operator.kubeapi import KubeApi, get_api_client  # noqa: E402
 
 CHILD_KINDS = {"ConfigMap", "PersistentVolumeClaim", "ServiceAccount", "Role", "RoleBinding", "Service",
                "NetworkPolicy", "StatefulSet", "Deployment", "Job"}

@@ -22,6 +22,7 @@ SERVICE_DISCOVERY_PORT = INFERENCE_PORT  # port vllm-router uses for pods it dis
 TRAINER_METRICS_PORT = 9091     # trainer rank 0: Prometheus metrics and liveness
 OPERATOR_METRICS_PORT = 8080
 OPERATOR_HEALTH_PORT = 8081
+OPERATOR_STATUS_INTERVAL_S = 5.0  # default seconds between status refreshes of a run (rlrun-operator --status-interval)
 
 # --- Labels and annotations ---------------------------------------------------------------------
 LABEL_NAME = "app.kubernetes.io/name"
@@ -43,6 +44,8 @@ LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"  # set by the StatefulSet contr
 ANNOTATION_PREFIX = "rlrun.dev"
 ANNOTATION_SPEC_HASH = "rlrun.dev/spec-hash"          # hash of a child's rendered spec, to skip no-op writes
 ANNOTATION_CONFIG_HASH = "rlrun.dev/config-hash"      # on pod templates: rolls pods when the run config changes
+# On a scaled (inference/prefill/decode) Deployment of a suspended run: its replicas before suspend.
+ANNOTATION_REPLICAS_BEFORE_SUSPEND = "rlrun.dev/replicas-before-suspend"
 FINALIZER = "rlrun.dev/finalizer"
 
 # Components (values of app.kubernetes.io/component).
@@ -83,6 +86,15 @@ ENV_NNODES = "NNODES"
 ENV_NPROC_PER_NODE = "NPROC_PER_NODE"
 ENV_VLLM_DEV_MODE = "VLLM_SERVER_DEV_MODE"
 ENV_VLLM_CPU_KVCACHE_SPACE = "VLLM_CPU_KVCACHE_SPACE"
+ENV_TRAINER_METRICS_PORT = "RLRUN_TRAINER_METRICS_PORT"  # override of TRAINER_METRICS_PORT (local runs)
+# Address the inference, router and orchestrator servers listen on (default 0.0.0.0 in pods); `rlrun local`
+# and the tests set 127.0.0.1 so that nothing listens beyond loopback.
+ENV_BIND_HOST = "RLRUN_BIND_HOST"
+DEFAULT_BIND_HOST = "0.0.0.0"
+# Values of RLRUN_INFERENCE_ROLE.
+INFERENCE_ROLE_PREFILL = "prefill"  # vLLM kv_producer
+INFERENCE_ROLE_DECODE = "decode"    # vLLM kv_consumer
+INFERENCE_ROLE_BOTH = "both"        # no KV connector (disaggregation off)
 
 # --- Files -------------------------------------------------------------------------------------
 CONFIG_MOUNT_DIR = "/etc/rlrun"
@@ -90,6 +102,7 @@ CONFIG_FILE_NAME = "rlrun.yaml"
 CONFIG_PATH = f"{CONFIG_MOUNT_DIR}/{CONFIG_FILE_NAME}"
 
 # --- Names ---------------------------------------------------------------------------------------
+SERVED_MODEL_NAME = "policy"  # vLLM --served-model-name: the name requests use, whatever the weights
 TINY_MODEL_NAME = "rlrun-tiny"  # spec.model.name that makes the runtime build the tiny local model
 
 # --- Metrics the orchestrator serves (the operator scrapes them into RLRun status) ----------------
@@ -104,8 +117,6 @@ VLLM_METRIC_RUNNING = "vllm:num_requests_running"
 
 # --- Environments -------------------------------------------------------------------------------
 BUILTIN_ENVIRONMENTS = ("reverse-words",)  # spec.environment.name values for type: builtin
-ENV_TRAINER_METRICS_PORT = "RLRUN_TRAINER_METRICS_PORT"  # override of TRAINER_METRICS_PORT (local runs)
-SERVED_MODEL_NAME = "policy"  # vLLM --served-model-name: the name requests use, whatever the weights
 
 # --- Pod security (rendered pods run as this non-root user; fsGroup makes the PVC writable) -------
 RUNTIME_UID = 1000
@@ -122,10 +133,6 @@ DNS_LABEL_MAX_LENGTH = 63  # DNS-1035 label: Service names, label values (Kubern
 # A StatefulSet's pods carry controller-revision-hash=<name>-<10-char hash>, a label value (<= 63), so its
 # name may have at most 52 characters (kubernetes/kubernetes issue 64023).
 STATEFULSET_NAME_MAX_LENGTH = 52
-# Values of RLRUN_INFERENCE_ROLE.
-INFERENCE_ROLE_PREFILL = "prefill"  # vLLM kv_producer
-INFERENCE_ROLE_DECODE = "decode"    # vLLM kv_consumer
-INFERENCE_ROLE_BOTH = "both"        # no KV connector (disaggregation off)
 
 # --- Metrics the trainer serves on TRAINER_METRICS_PORT (rank 0; also the probes' endpoint) ----------
 METRIC_TRAINER_STEP = "rlrun_trainer_step"                          # last completed step = policy version
@@ -133,14 +140,6 @@ METRIC_TRAINER_LOSS = "rlrun_trainer_loss"
 METRIC_TRAINER_MISMATCH_KL = "rlrun_trainer_mismatch_kl"
 METRIC_TRAINER_TOKENS_PER_SECOND = "rlrun_trainer_tokens_per_second"
 METRIC_TRAINER_WAIT_SECONDS = "rlrun_trainer_wait_seconds"          # time the last step waited for its batch
-# On a scaled (inference/prefill/decode) Deployment of a suspended run: its replicas before suspend.
-ANNOTATION_REPLICAS_BEFORE_SUSPEND = "rlrun.dev/replicas-before-suspend"
-OPERATOR_STATUS_INTERVAL_S = 5.0  # default seconds between status refreshes of a run (rlrun-operator --status-interval)
-# Address the inference, router and orchestrator servers listen on (default 0.0.0.0 in pods); `rlrun local`
-# and the tests set 127.0.0.1 so that nothing listens beyond loopback.
-ENV_BIND_HOST = "RLRUN_BIND_HOST"
-DEFAULT_BIND_HOST = "0.0.0.0"
-
 
 # --- The role contract's env names -------------------------------------------------------------------
 # Every variable rlrun sets in some container except ENV_VLLM_CPU_KVCACHE_SPACE, a default that spec.pod.env

@@ -3,7 +3,7 @@
 Each view declares the spec paths its reader reads (``READS``, minus ``IGNORES``) and is built from that
 projection of the spec only (:func:`project`), so a role cannot read a field its view does not declare. The
 operator hashes the same projection into each pod template's ``rlrun.dev/config-hash``
-(``rlrun_operator.render_config``): what a role reads and what rolls its pods are one declaration.
+(``rlrun_operator.render.config``): what a role reads and what rolls its pods are one declaration.
 
 Fields that are rendered into the pod template directly (image, resources, pod overrides, replica counts,
 suspend) are left out of the projections: the template already changes when they do, or they must not roll

@@ -188,6 +188,7 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
             await publish_status(memo, meta["namespace"], meta["name"], compute_and_keep)
         except ApiError as exc:
             raise kopf.TemporaryError(f"status refresh failed: {exc}", delay=memo.config.retry_delay_s) from exc
+        metrics.STATUS_REFRESHES.labels(meta["namespace"], meta["name"]).inc()
         if not seen:
             return
         fresh, change = seen[-1]

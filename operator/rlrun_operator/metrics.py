@@ -15,7 +15,9 @@ from rlrun_operator.status import (PHASE_FAILED, PHASE_INITIALIZING, PHASE_PENDI
 REGISTRY = CollectorRegistry()
 
 RECONCILES = Counter("rlrun_operator_reconciles", "Reconciles of RLRun children, by trigger "
-                     "(create, update, resume).", ["trigger"], registry=REGISTRY)
+                     "(create, update, resume, finish, drift).", ["trigger"], registry=REGISTRY)
+STATUS_REFRESHES = Counter("rlrun_operator_status_refreshes", "Status refreshes of a run by the operator's timer "
+                           "(written or not).", ["namespace", "name"], registry=REGISTRY)
 RECONCILE_ERRORS = Counter("rlrun_operator_reconcile_errors", "Reconciles or status refreshes that raised.",
                            ["stage"], registry=REGISTRY)
 RECONCILE_SECONDS = Histogram("rlrun_operator_reconcile_duration_seconds",
@@ -70,7 +72,7 @@ def forget_run(namespace: str, name: str) -> None:
     """Drop every series of a deleted run."""
     _PHASES.pop((namespace, name), None)
     _refresh_phases()
-    for gauge in (RUN_STEP, RUN_POLICY_VERSION, RUN_LAST_REWARD, RUN_WEIGHT_UPDATE):
+    for gauge in (RUN_STEP, RUN_POLICY_VERSION, RUN_LAST_REWARD, RUN_WEIGHT_UPDATE, STATUS_REFRESHES):
         try:
             gauge.remove(namespace, name)
         except KeyError:

@@ -91,7 +91,7 @@ def get_completion_request(prompt_ids: Sequence[int], sampling: Mapping[str, Any
             ``seed + i`` (``vllm/v1/engine/parallel_sampling.py``), so the choices differ.
         n: completions to sample (``rolloutsPerPrompt`` for a group). vLLM 0.32 fans them out into n
             engine requests; each choice carries its own ``token_ids`` and ``logprobs``, and choice ``i``
-            equals an ``n: 1`` request with seed ``seed + i`` (measured, tests/test_orchestrator.py).
+            equals an ``n: 1`` request with seed ``seed + i`` (measured, tests/flow/test_orchestrator.py).
             The prompt's full KV blocks are shared through the prefix cache; a prompt shorter than one
             block (the tiny example's) is prefilled per choice.
 

@@ -22,15 +22,15 @@ from rlrun_api import constants as c
 from rlrun_api import spec
 from rlrun_operator import render
 from rlrun_runtime import local
-from rlrun_runtime.kube_expansion import expand
-from rlrun_runtime.local_plan import LOCAL_HOST, LocalPaths, ProcessSpec, get_local_plan
-from rlrun_runtime.local_processes import Supervisor, get_outcome, read_process_table
-from rlrun_runtime.local_progress import (MetricsTail, ProgressDisplay, get_progress, get_reward_summary,
+from rlrun_runtime.local.kube_expansion import expand
+from rlrun_runtime.local.plan import LOCAL_HOST, LocalPaths, ProcessSpec, get_local_plan
+from rlrun_runtime.local.processes import Supervisor, get_outcome, read_process_table
+from rlrun_runtime.local.progress import (MetricsTail, ProgressDisplay, get_progress, get_reward_summary,
                                           parse_metrics_lines, parse_prometheus, render_line, render_summary)
 from rlrun_runtime.plot import get_plot_series, render_plot
 from rlrun_runtime.storage import RunStorage
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RLRUN = [str(Path(sys.executable).parent / "rlrun")]
 
 
@@ -560,7 +560,7 @@ def test_no_reward_is_shown_before_the_first_step():
 
 
 def test_display_keeps_the_last_scrape_after_the_orchestrator_exits(tmp_path, monkeypatch):
-    from rlrun_runtime import local_progress
+    from rlrun_runtime.local import progress as local_progress
 
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in _rows(3)))
@@ -636,8 +636,8 @@ def test_roles_die_with_a_killed_supervisor(tmp_path):
     script = textwrap.dedent(f"""
         import os, sys, time
         from pathlib import Path
-        from rlrun_runtime.local_plan import ProcessSpec
-        from rlrun_runtime.local_processes import Supervisor
+        from rlrun_runtime.local.plan import ProcessSpec
+        from rlrun_runtime.local.processes import Supervisor
         spec = ProcessSpec("s-0", "", "Deployment", (sys.executable, "-c", "import time; time.sleep(600)"),
                            dict(os.environ), Path({str(tmp_path / 's-0.log')!r}))
         supervisor = Supervisor([spec])

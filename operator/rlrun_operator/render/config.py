@@ -18,7 +18,7 @@ import yaml
 
 from rlrun_api import constants as c
 from rlrun_api.views import InferenceView, OrchestratorView, RouterView, SpecView, TrainerView
-from .render_metadata import get_metadata
+from .metadata import get_metadata
 
 # component -> the view of the role its pods run (prefill and decode pods run the inference role).
 ROLE_VIEWS: dict[str, type[SpecView]] = {
@@ -64,7 +64,7 @@ def get_config_document(rlrun: dict[str, Any]) -> dict[str, Any]:
 
 
 # libyaml's emitter when PyYAML was built with it (4x faster than the pure-Python one; same text for our
-# documents, which tests/test_render.py checks), else PyYAML's own.
+# documents, which tests/unit/test_render.py checks), else PyYAML's own.
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 

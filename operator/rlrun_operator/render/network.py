@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlrun_api import constants as c
-from .render_metadata import get_metadata, get_run_selector_labels, get_selector_labels
+from .metadata import get_metadata, get_run_selector_labels, get_selector_labels
 
 
 

@@ -1,4 +1,4 @@
-"""The real operator (kopf over HTTP) against kmock with the fidelity layer of tests/kube.py.
+"""The real operator (kopf over HTTP) against kmock with the fidelity layer of tests/support/kube.py.
 
 The tests play the cluster's controllers through the API: they set Deployment/StatefulSet/Job status via
 the status subresource, create Pods with loopback IPs, and serve the orchestrator's metrics from a
@@ -21,14 +21,14 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from kube import FidelityEmulator, run_operator, serve_kubernetes, wait_for
+from kube import FidelityEmulator, run_operator, serve_kubernetes, wait_for, wait_for_refreshes
 from rlrun_api import constants
 from rlrun_operator import metrics as operator_metrics
 from rlrun_operator.kubeapi import KubeApi, get_api_client
 from rlrun_operator.render import render
 from rlrun_api.spec import apply_defaults
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 INTERVAL = 0.5  # status refresh interval of the operator under test, seconds
 STANDARD_LABELS = (constants.LABEL_NAME, constants.LABEL_INSTANCE, constants.LABEL_COMPONENT,
                    constants.LABEL_PART_OF, constants.LABEL_MANAGED_BY)
@@ -196,7 +196,7 @@ def test_status_follows_children_and_orchestrator_metrics_until_succeeded() -> N
 
                     # An idle resync writes nothing.
                     before = emu.write_count()
-                    await asyncio.sleep(4 * INTERVAL)
+                    await wait_for_refreshes("ns1", "beta", 3)
                     assert emu.write_count() == before
                     assert condition(run_status(emu, "ns1", "beta"), "Ready")["lastTransitionTime"] == ready_since
 
@@ -322,7 +322,7 @@ def test_invalid_spec_reports_invalid_spec_creates_nothing_and_recovers() -> Non
                 assert len(warnings) == 1 and warnings[0]["type"] == "Warning"
                 assert "spec.environment.name" in warnings[0]["message"]
                 # Still invalid on the next resyncs: no second Event.
-                await asyncio.sleep(3 * INTERVAL)
+                await wait_for_refreshes("team-a", "zeta", 2)
                 assert len([e for e in emu.find("Event", "team-a") if e["reason"] == "InvalidSpec"]) == 1
                 # Fixing the spec recovers.
                 await api.merge_patch(constants.KIND, "team-a", "zeta",
@@ -344,12 +344,12 @@ def test_operator_restart_makes_no_duplicates_and_no_writes() -> None:
                 await wait_for(lambda: run_status(emu, "ns1", "eta").get("phase") == "Initializing")
                 await play_ready(api, emu, "ns1", "eta")
                 await wait_for(lambda: run_status(emu, "ns1", "eta").get("phase") == "Running")
-                await asyncio.sleep(3 * INTERVAL)
+                await wait_for_refreshes("ns1", "eta", 2)
             before_writes = len(emu.writes)
             before = sorted((o["kind"], o["metadata"]["name"], o["metadata"]["resourceVersion"])
                             for o in children(emu, "ns1", "eta"))
             async with run_operator(url, status_interval=INTERVAL):
-                await asyncio.sleep(6 * INTERVAL)  # resume handler plus several status refreshes
+                await wait_for_refreshes("ns1", "eta", 5)  # resume handler plus several status refreshes
             after = sorted((o["kind"], o["metadata"]["name"], o["metadata"]["resourceVersion"])
                            for o in children(emu, "ns1", "eta"))
             assert after == before
@@ -465,7 +465,7 @@ def test_deleted_workload_is_recreated_by_the_status_timer() -> None:
 
 def test_child_refused_by_the_api_server_is_invalid_spec_without_endless_retries() -> None:
     """spec.pod.affinity's parts are free-form in the CRD, so a malformed one passes validate; the API server (here
-    kubernetes-validate in tests/kube.py) answers 422 for the rendered StatefulSet. That is InvalidSpec with
+    kubernetes-validate in tests/support/kube.py) answers 422 for the rendered StatefulSet. That is InvalidSpec with
     the server's message and one Warning Event, not a conflict retried forever."""
     async def scenario() -> None:
         async with serve_kubernetes() as (emu, url):
@@ -484,7 +484,7 @@ def test_child_refused_by_the_api_server_is_invalid_spec_without_endless_retries
                 assert [(w.method, w.kind) for w in refused] == [("POST", "StatefulSet")]
                 # No retry loop: nothing more is attempted while the spec stays the same.
                 before = emu.write_count(CHILD_KINDS)
-                await asyncio.sleep(6 * INTERVAL)
+                await wait_for_refreshes("ns1", "iota", 5)
                 assert emu.write_count(CHILD_KINDS) == before
                 assert len([e for e in emu.find("Event", "ns1") if e["reason"] == "InvalidSpec"]) == 1
                 # Fixing the spec recovers: every child exists.
@@ -513,7 +513,7 @@ def test_patch_refused_by_the_api_server_is_invalid_spec_not_a_conflict() -> Non
                 refused = [(w.method, w.kind) for w in emu.writes if w.status == 422]
                 assert refused == [("PATCH", "StatefulSet")]
                 before = emu.write_count(CHILD_KINDS)
-                await asyncio.sleep(6 * INTERVAL)
+                await wait_for_refreshes("ns1", "kappa", 5)
                 assert emu.write_count(CHILD_KINDS) == before
                 assert len(children(emu, "ns1", "kappa")) == 14
 
@@ -546,12 +546,12 @@ def test_finished_run_gives_its_gpus_back_and_keeps_job_and_storage() -> None:
                 assert one(emu, "ConfigMap", "ns1", "lam-config")
                 assert run_status(emu, "ns1", "lam")["phase"] == "Succeeded"
                 # Settled: the timer writes nothing more, and a restarted operator neither.
-                await asyncio.sleep(2 * INTERVAL)
+                await wait_for_refreshes("ns1", "lam", 2)
                 before = len(emu.writes)
-                await asyncio.sleep(4 * INTERVAL)
+                await wait_for_refreshes("ns1", "lam", 3)
                 assert emu.writes[before:] == []
             async with run_operator(url, status_interval=INTERVAL):
-                await asyncio.sleep(6 * INTERVAL)
+                await wait_for_refreshes("ns1", "lam", 5)
             assert emu.writes[before:] == []
             assert run_status(emu, "ns1", "lam")["phase"] == "Succeeded"
 
@@ -584,7 +584,7 @@ def test_replaced_orchestrator_job_waits_for_the_old_pod() -> None:
                 deletes = [w for w in emu.writes if w.method == "DELETE" and w.kind == "Job"]
                 assert deletes and deletes[0].body["propagationPolicy"] == "Foreground"
                 # While the old pod runs, the old Job stays and no second one is created.
-                await asyncio.sleep(4 * INTERVAL)
+                await wait_for_refreshes("ns1", "mu", 3)
                 jobs = emu.find("Job", "ns1")
                 assert [j["metadata"]["uid"] for j in jobs] == [old_job["metadata"]["uid"]]
                 # The old pod exits: the old Job goes, the retried reconcile creates the new one.

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-from .local_plan import ProcessSpec
+from .plan import ProcessSpec
 
 DEFAULT_GRACE_SECONDS = 15.0
 DEFAULT_FINISH_SECONDS = 120.0  # how long the trainer may take to exit after the Job succeeded
@@ -191,7 +191,7 @@ class Supervisor:
     own. ``stop`` kills those too, so nothing outlives the run.
 
     Args:
-        specs: what to start (``ProcessSpec`` from local_plan), in start order.
+        specs: what to start (``ProcessSpec`` from local.plan), in start order.
         cwd: working directory of every process (None: the caller's).
         grace_seconds: how long SIGTERMed groups get before SIGKILL.
         poll_seconds: how often exits are checked.

@@ -23,7 +23,7 @@ from rlrun_operator.render import render
 from rlrun_api.spec import apply_defaults
 from rlrun_operator.status import Progress, get_status, get_status_patch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
 
@@ -185,7 +185,7 @@ def test_vllm_args_change_patches_inference_pools_only_and_never_sends_replicas(
     plans = {(m["kind"], m["metadata"]["name"]): (m, plan_child(m, live[(m["kind"], m["metadata"]["name"])], False))
              for m in render(changed)}
     patched = sorted(key for key, (_, plan) in plans.items() if plan.action != "none")
-    # The orchestrator does not read vllmArgs (its config hash leaves them out, render_config), so its Job
+    # The orchestrator does not read vllmArgs (its config hash leaves them out, render.config), so its Job
     # is kept, like trainer, router and Services.
     assert patched == [("ConfigMap", "r-config"), ("Deployment", "r-decode"), ("Deployment", "r-prefill")]
     assert plans[("Job", "r-orchestrator")][1].action == "none"

@@ -457,3 +457,18 @@ async def wait_for(predicate: Any, timeout: float = 20.0, interval: float = 0.05
         if asyncio.get_running_loop().time() > deadline:
             raise TimeoutError(f"condition not met within {timeout} s")
         await asyncio.sleep(interval)
+
+
+def count_refreshes(namespace: str, name: str) -> float:
+    """Status refreshes the embedded operator's timer has finished for the run (its own counter)."""
+    from rlrun_operator import metrics
+
+    return metrics.REGISTRY.get_sample_value(
+        "rlrun_operator_status_refreshes_total", {"namespace": namespace, "name": name}) or 0.0
+
+
+async def wait_for_refreshes(namespace: str, name: str, count: int, timeout: float = 30.0) -> None:
+    """Wait until the operator's timer has refreshed the run ``count`` more times: an idle window measured in
+    the operator's own work, not in seconds, so a slow machine cannot shorten it."""
+    start = count_refreshes(namespace, name)
+    await wait_for(lambda: count_refreshes(namespace, name) >= start + count, timeout=timeout)

@@ -36,7 +36,7 @@ from rlrun_api.validation import validate
 
 # The newest Kubernetes version kubernetes-validate 1.37.0 ships schemas for.
 K8S_VERSION = "1.37.0"
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 UID = "6f1c2a4e-0000-4000-8000-000000000001"
 STANDARD_LABELS = (c.LABEL_NAME, c.LABEL_INSTANCE, c.LABEL_COMPONENT, c.LABEL_PART_OF, c.LABEL_MANAGED_BY)
 WORKLOAD_KINDS = ("StatefulSet", "Deployment", "Job")
@@ -525,9 +525,9 @@ def test_config_map_holds_the_defaulted_run_without_labels_or_status():
 
 @pytest.mark.parametrize("key", sorted(VARIANTS))
 def test_config_map_text_is_what_pyyaml_itself_writes(key):
-    """render_config uses libyaml's emitter for speed; the text must not depend on which one is installed
+    """render.config uses libyaml's emitter for speed; the text must not depend on which one is installed
     (the ConfigMap's spec hash would change with it)."""
-    from rlrun_operator.render_config import get_config_document
+    from rlrun_operator.render.config import get_config_document
 
     rlrun = defaulted(VARIANTS[key])
     (config_map,) = [o for o in render(rlrun) if o["kind"] == "ConfigMap"]

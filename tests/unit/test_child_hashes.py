@@ -3,7 +3,7 @@
 ``tests/data/child-hashes.json`` holds, for every child that ``render`` makes of each example, the pod
 template's ``rlrun.dev/config-hash`` (what rolls pods) and the ``rlrun.dev/spec-hash`` (what makes the
 operator write). A change that is meant to roll pods on upgrade regenerates the file with
-``python tests/test_child_hashes.py > tests/data/child-hashes.json`` and says so in its commit.
+``python tests/unit/test_child_hashes.py > tests/data/child-hashes.json`` and says so in its commit.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rlrun_operator.apply import get_spec_hash
 from rlrun_operator.render import render
 from rlrun_api.spec import apply_defaults
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "data" / "child-hashes.json"
 EXAMPLES = ("tiny", "minimal", "complete")
 UID = "6f1c2a4e-0000-4000-8000-000000000001"

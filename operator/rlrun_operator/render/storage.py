@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlrun_api import constants as c
-from .render_metadata import get_metadata
+from .metadata import get_metadata
 
 CONFIG_VOLUME = "config"
 STORAGE_VOLUME = "storage"

@@ -12,7 +12,7 @@ import yaml
 
 from rlrun_api import constants
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "rlrun-operator"
 HELM = Path(sys.executable).parent / "helm"
 KUBE_VERSION = "1.33.0"

@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from rlrun_api import constants as c
-from .render_config import get_config_hash
-from .render_inference import get_inference_endpoints
-from .render_metadata import get_metadata
-from .render_network import render_service
-from .render_pod import env_value, get_http_probes, get_resources, render_container, render_pod_template
+from .config import get_config_hash
+from .inference import get_inference_endpoints
+from .metadata import get_metadata
+from .network import render_service
+from .pod import env_value, get_http_probes, get_resources, render_container, render_pod_template
 
 PORT_METRICS = "metrics"
 # Pod restarts tolerated before the Job, and so the run, fails (restartPolicy OnFailure counts container

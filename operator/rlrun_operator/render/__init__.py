@@ -4,7 +4,7 @@
 live in sibling modules: render_config (ConfigMap, config hashes), render_storage (PVC, volumes),
 render_pod (containers, pod templates, env contract, security), render_network (Services,
 NetworkPolicy), render_trainer, render_inference, render_router, render_orchestrator; names, labels and
-ownerReferences in render_metadata.
+ownerReferences in render.metadata.
 """
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ from __future__ import annotations
 from typing import Any
 
 from rlrun_api.constants import DEFAULT_OPERATOR_NAMESPACE
-from .render_config import get_config_hash, render_config_map
-from .render_inference import get_inference_pools, render_inference
-from .render_metadata import RenderError, check_run_name, get_child_names
-from .render_network import render_network_policy
-from .render_orchestrator import render_orchestrator
+from .config import get_config_hash, render_config_map
+from .inference import get_inference_pools, render_inference
+from .metadata import RenderError, check_run_name, get_child_names
+from .network import render_network_policy
+from .orchestrator import render_orchestrator
 from rlrun_api.constants import RESERVED_ENV_NAMES
 
-from .render_pod import check_pod_env
-from .render_router import render_router, render_router_rbac
-from .render_storage import get_claim_name, render_pvc
-from .render_trainer import render_trainer
+from .pod import check_pod_env
+from .router import render_router, render_router_rbac
+from .storage import get_claim_name, render_pvc
+from .trainer import render_trainer
 
 __all__ = ["RESERVED_ENV_NAMES", "RenderError", "get_child_names", "get_config_hash", "get_inference_pools", "render"]
 

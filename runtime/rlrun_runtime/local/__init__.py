@@ -2,11 +2,11 @@
 
 Steps: validate the file (exit 2 with ``FILE: path: message`` lines, before anything starts); check the
 environment and the model path (exit 2 naming the field and the fix); render the manifests with
-``rlrun_operator.render.render`` (namespace "local"); turn them into processes (``local_plan``: same
+``rlrun_operator.render.render`` (namespace "local"); turn them into processes (``local.plan``: same
 commands and env as the pods, hosts -> 127.0.0.1, ports -> free loopback ports, ConfigMap -> a file,
 PVC -> the output directory); build the model once (``tiny_model.ensure_model``) so the roles do not race
-on it; start every role under the supervisor (``local_processes``) with a live progress display
-(``local_progress``); when the orchestrator finishes, stop the rest, copy the last published weights to
+on it; start every role under the supervisor (``local.processes``) with a live progress display
+(``local.progress``); when the orchestrator finishes, stop the rest, copy the last published weights to
 ``DIR/final/`` and draw ``DIR/plot.png``.
 
 Exit status: 0 the run succeeded; 1 a role failed (named, with its last log lines; checkpoints stay on
@@ -33,8 +33,8 @@ from typing import Any, Mapping, Sequence, TextIO
 
 from rlrun_api import constants as c
 
-from .local_plan import LOCAL_HOST, LocalPaths, LocalPlan, PlanError, get_local_plan
-from .storage import RunStorage, atomic_directory, atomic_write_text, list_steps
+from .plan import LOCAL_HOST, LocalPaths, LocalPlan, PlanError, get_local_plan
+from ..storage import RunStorage, atomic_directory, atomic_write_text, list_steps
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -112,7 +112,7 @@ def check_environment(file: str, run_spec: Mapping[str, Any]) -> None:
     Raises:
         LocalInputError: the environment cannot be loaded (unknown name, missing package, bad args).
     """
-    from .environments import load_environment
+    from ..environments import load_environment
 
     try:
         load_environment(dict(run_spec["environment"]))
@@ -261,8 +261,8 @@ def publish_final(storage: RunStorage, final_dir: Path) -> int | None:
 
 def write_plot(storage: RunStorage, path: Path, title: str) -> Path | None:
     """plot.png from metrics.jsonl; None when there is nothing to plot."""
-    from .local_progress import parse_metrics_lines
-    from .plot import render_plot
+    from .progress import parse_metrics_lines
+    from ..plot import render_plot
 
     try:
         rows = parse_metrics_lines(storage.metrics_file.read_text(encoding="utf-8"))
@@ -273,7 +273,7 @@ def write_plot(storage: RunStorage, path: Path, title: str) -> Path | None:
 
 def _print_summary(out: TextIO, storage: RunStorage, output_dir: Path, final_step: int | None,
                    plot: Path | None) -> None:
-    from .local_progress import get_reward_summary, parse_metrics_lines, render_summary
+    from .progress import get_reward_summary, parse_metrics_lines, render_summary
 
     try:
         rows = parse_metrics_lines(storage.metrics_file.read_text(encoding="utf-8"))
@@ -339,8 +339,8 @@ def get_role_error(log: Path) -> str | None:
 def run_plan(plan: LocalPlan, run_spec: Mapping[str, Any], name: str, output_dir: Path, resume: bool,
              grace_seconds: float, out: TextIO, err: TextIO) -> int:
     """Write the config, build the model, run the processes with progress, then publish final/ and the plot."""
-    from .local_processes import Supervisor, become_subreaper
-    from .local_progress import ProgressDisplay
+    from .processes import Supervisor, become_subreaper
+    from .progress import ProgressDisplay
 
     storage = RunStorage(output_dir)
     stop = threading.Event()
@@ -364,7 +364,7 @@ def run_plan(plan: LocalPlan, run_spec: Mapping[str, Any], name: str, output_dir
                   + (f"latest checkpoint is step {checkpoints[-1]}" if checkpoints else "no checkpoint yet, "
                      "starting from step 0"), file=out)
         print(f"preparing the model for {name} ({run_spec['model']['name']}) ...", file=out, flush=True)
-        from .tiny_model import ensure_model
+        from ..tiny_model import ensure_model
 
         ensure_model(dict(run_spec), storage)
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}

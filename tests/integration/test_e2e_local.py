@@ -21,19 +21,19 @@ import pytest
 import yaml
 
 from rlrun_api import constants as c
-from rlrun_runtime.local_processes import read_process_table
-from rlrun_runtime.local_progress import get_reward_summary, render_summary
+from rlrun_runtime.local.processes import read_process_table
+from rlrun_runtime.local.progress import get_reward_summary, render_summary
 from rlrun_runtime.storage import RunStorage, list_steps
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "rlrun-tiny.yaml"
 RLRUN = [str(Path(sys.executable).parent / "rlrun")]
 
 # Bounds asserted on every run of the embedded default (docs/local.md explains them). The learning bounds
 # are half of what the 3-seed benchmark measured (benchmarks/README.md), far from the run-to-run noise, and
 # counted per step, not per second, so a slow or loaded machine does not change the verdict.
-REWARD_MARGIN = 0.12           # last fifth of steps beats the first fifth by at least this much
-EXACT_MATCH_LAST_FIFTH = 0.25  # exact reversals among the last fifth's rollouts
+REWARD_MARGIN = 0.12           # last fifth beats the first fifth by this much (measured +0.253..+0.275, 3 seeds)
+EXACT_MATCH_LAST_FIFTH = 0.25  # exact reversals among the last fifth's rollouts (measured 50 %, 3 seeds)
 FIRST_STEP_MISMATCH_KL = 1e-3  # step 1 trains on rollouts of policy 0 with policy 0: numerics only
 ON_POLICY_MISMATCH_KL = 1e-3   # every step's mismatch_kl_on_policy (samples of policy step - 1 only; null when none):
                                # numerics only; measured <= 5e-9 on 3 of 60 steps (float32, CPU, 2026-11-29)

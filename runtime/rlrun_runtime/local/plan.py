@@ -86,7 +86,7 @@ class ProcessSpec:
         name: the pod name (``<deployment>-<i>``, ``<statefulset>-<ordinal>`` or ``<job>``).
         component: the pod's ``app.kubernetes.io/component`` label (trainer, inference, prefill, decode,
             router, orchestrator; "" when absent).
-        workload_kind: Deployment, StatefulSet or Job (decides what an exit means, see local_processes).
+        workload_kind: Deployment, StatefulSet or Job (decides what an exit means, see local.processes).
         argv: the container's command + args after expansion and local rewriting.
         env: the complete process environment.
         log_path: where stdout and stderr go.

@@ -15,8 +15,8 @@ from typing import Any
 
 from rlrun_api import constants as c
 from rlrun_api import validation
-from .render_metadata import RenderError, get_labels
-from .render_storage import get_volume_mounts, get_volumes
+from .metadata import RenderError, get_labels
+from .storage import get_volume_mounts, get_volumes
 
 GPU_RESOURCE = "nvidia.com/gpu"
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from rlrun_api import constants as c
-from .render_config import get_config_hash
-from .render_metadata import get_metadata, get_selector_labels
-from .render_network import render_service
-from .render_pod import env_field, env_value, get_http_probes, get_resources, render_container, render_pod_template
+from .config import get_config_hash
+from .metadata import get_metadata, get_selector_labels
+from .network import render_service
+from .pod import env_field, env_value, get_http_probes, get_resources, render_container, render_pod_template
 
 PORT_RENDEZVOUS = "rendezvous"
 PORT_METRICS = "metrics"

@@ -3,7 +3,7 @@
 import importlib.util
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "local_run.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "local_run.py"
 spec = importlib.util.spec_from_file_location("local_run", SCRIPT)
 local_run = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(local_run)

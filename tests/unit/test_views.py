@@ -11,7 +11,7 @@ import yaml
 from rlrun_api.spec import apply_defaults
 from rlrun_api.views import (AutoscalingView, InferenceView, OrchestratorView, RouterView, TrainerView, project)
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 VIEWS = (TrainerView, InferenceView, RouterView, OrchestratorView, AutoscalingView)
 
 
