@@ -149,7 +149,7 @@ def get_exact_match_rate(rewards: Sequence[float]) -> float | None:
     return sum(1 for r in rewards if r >= FULL_REWARD) / len(rewards)
 
 
-MIN_SIGNAL_RATE = 0.5  # over-generate at most 2x what the batch still needs
+MIN_SIGNAL_RATE = 0.25  # over-generate at most 4x what the batch still needs
 
 
 def plan_group_count(missing_samples: int, group_size: int, signal_rate: float) -> int:

@@ -132,7 +132,8 @@ def test_exact_match_rate_counts_full_rewards_only():
 
 
 @pytest.mark.parametrize("missing, group_size, rate, expected", [
-    (128, 8, 1.0, 16), (128, 8, 0.8, 20), (128, 8, 0.1, 32), (128, 8, 1.7, 16), (5, 8, 1.0, 1), (0, 8, 0.5, 0),
+    (128, 8, 1.0, 16), (128, 8, 0.8, 20), (128, 8, 0.1, 64), (128, 8, 0.5, 32), (128, 8, 1.7, 16),
+    (5, 8, 1.0, 1), (0, 8, 0.5, 0),
     (-3, 8, 1.0, 0), (24, 8, 0.75, 4)])
 def test_plan_group_count(missing, group_size, rate, expected):
     assert plan_group_count(missing, group_size, rate) == expected

@@ -553,6 +553,12 @@ def test_display_of_a_resume_starts_at_the_checkpoint_step(tmp_path):
     assert display.update().step == 4
 
 
+def test_a_value_that_rounds_to_zero_has_no_sign():
+    progress = get_progress([{"step": 1, "reward_mean": 0.5, "mismatch_kl": -1e-9}], {}, max_steps=2,
+                            step_times={}, started_at=0.0, now=1.0)
+    assert "mismatch_kl 0.0000 " in render_line(progress)
+
+
 def test_no_reward_is_shown_before_the_first_step():
     scraped = {c.METRIC_STEP: 0.0, c.METRIC_POLICY_VERSION: 0.0, c.METRIC_LAST_REWARD: 0.0}
     progress = get_progress([], scraped, max_steps=10, step_times={}, started_at=0.0, now=1.0)

@@ -198,7 +198,11 @@ def format_duration(seconds: float | None) -> str:
 
 
 def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+    """``value`` formatted, ``-`` for None; a value that rounds to zero shows without a sign (no ``-0.0000``)."""
+    if value is None:
+        return "-"
+    text = format(value, spec)
+    return text[1:] if text.startswith("-") and float(text) == 0 else text
 
 
 def render_line(progress: Progress) -> str:
