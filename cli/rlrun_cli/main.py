@@ -22,7 +22,7 @@ from rlrun_api import __version__, constants, documents, names, spec, validation
 EXIT_OK = 0
 EXIT_INVALID = 2
 
-# What `rlrun local` needs beyond the operator package (module names, checked without importing them).
+# What `rlrun local` needs beyond rlrun_api and the operator (module names, checked without importing them).
 RUNTIME_MODULES = ("rlrun_runtime", "rlrun_runtime.local", "torch", "vllm")
 RUNTIME_INSTALL_HINT = (
     "rlrun local needs the runtime package (torch, vLLM); install it with\n"

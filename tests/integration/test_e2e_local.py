@@ -32,13 +32,13 @@ RLRUN = [str(Path(sys.executable).parent / "rlrun")]
 # Bounds asserted on every run of the embedded default (docs/local.md explains them). The learning bounds
 # are half of what the 3-seed benchmark measured (benchmarks/README.md), far from the run-to-run noise, and
 # counted per step, not per second, so a slow or loaded machine does not change the verdict.
-REWARD_MARGIN = 0.12           # last fifth beats the first fifth by this much (measured +0.253..+0.275, 3 seeds)
-EXACT_MATCH_LAST_FIFTH = 0.25  # exact reversals among the last fifth's rollouts (measured 50 %, 3 seeds)
+REWARD_MARGIN = 0.12           # last fifth beats the first fifth by this much (measured +0.25..+0.26 at 110 steps)
+EXACT_MATCH_LAST_FIFTH = 0.25  # exact reversals among the last fifth's rollouts (measured 45-48 % at 110 steps)
 FIRST_STEP_MISMATCH_KL = 1e-3  # step 1 trains on rollouts of policy 0 with policy 0: numerics only
 ON_POLICY_MISMATCH_KL = 1e-3   # every step's mismatch_kl_on_policy (samples of policy step - 1 only; null when none):
                                # numerics only; measured <= 5e-9 on 3 of 60 steps (float32, CPU, 2026-11-29)
 MEAN_MISMATCH_KL = 0.15        # whole run, all samples: mostly the drift of rollouts one policy step old
-                               # (maxAsyncLevel 1, lr 3e-3); measured means 0.02-0.05 (2026-11-29)
+                               # (maxAsyncLevel 1); measured means 0.02-0.05 (2026-11-29, lr 3e-3; lower at lr 2e-3)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -78,7 +78,7 @@ def processes_of_run(storage_dir: Path) -> dict[int, str]:
     return found
 
 
-def run_local(path: Path, out_dir: Path, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def run_local(path: Path, out_dir: Path, *extra: str, timeout: float = 850) -> subprocess.CompletedProcess[str]:
     return subprocess.run(RLRUN + ["local", str(path), "--output-dir", str(out_dir), *extra],
                           capture_output=True, text=True, timeout=timeout)
 

@@ -1,10 +1,9 @@
 """RLRun -> the Kubernetes objects that run it (pure: no I/O, no clock; same input, same output).
 
 ``render(rlrun)`` is what the operator applies and what ``rlrun render`` prints. The role-specific parts
-live in sibling modules: render_config (ConfigMap, config hashes), render_storage (PVC, volumes),
-render_pod (containers, pod templates, env contract, security), render_network (Services,
-NetworkPolicy), render_trainer, render_inference, render_router, render_orchestrator; names, labels and
-ownerReferences in render.metadata.
+live in this package's modules: ``config`` (ConfigMap, config hashes), ``storage`` (PVC, volumes), ``pod``
+(containers, pod templates, env contract, security), ``network`` (Services, NetworkPolicy), ``trainer``,
+``inference``, ``router``, ``orchestrator``; names, labels and ownerReferences in ``metadata``.
 """
 
 from __future__ import annotations
