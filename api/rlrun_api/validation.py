@@ -34,6 +34,7 @@ from typing import Any
 import jsonschema
 
 from rlrun_api import cel, constants, names, sizing, spec
+from rlrun_api.views import TrainerView
 
 
 @dataclass(frozen=True)
@@ -294,31 +295,14 @@ def check_implemented(run_spec: dict[str, Any], world_size: int | None = None) -
 
     Silently ignoring LoRA, low-precision matmuls, expert/context parallelism, a partial FSDP degree or the
     NCCL weight transport would run a different experiment than the spec describes, so they are refused
-    here (the operator reports InvalidSpec, `rlrun validate`/`rlrun local` exit 2) and again by the trainer.
+    here (the operator reports InvalidSpec, `rlrun validate`/`rlrun local` exit 2) and again by the trainer
+    (:func:`check_trainer_implemented` with its actual rank count).
 
     Args:
         run_spec: the defaulted spec.
-        world_size: the trainer's actual rank count when known (the trainer passes it); otherwise
-            nodes x gpusPerNode, or 1 on CPU.
+        world_size: the trainer's actual rank count when known; otherwise nodes x gpusPerNode, or 1 on CPU.
     """
-    trainer = run_spec["trainer"]
-    world = world_size or trainer["nodes"] * max(1, trainer["gpusPerNode"])
-    out = []
-    if trainer["lora"]["rank"] > 0:
-        out.append(FieldError("spec.trainer.lora.rank", "LoRA is not implemented by the trainer yet; set it to 0 "
-                                                        "(full fine-tuning)"))
-    if trainer["quantization"] != "none":
-        out.append(FieldError("spec.trainer.quantization", f"{trainer['quantization']} training is not implemented "
-                                                           "yet; set none"))
-    par = trainer["parallelism"]
-    for key in ("ep", "cp"):
-        if par[key] != 1:
-            out.append(FieldError(f"spec.trainer.parallelism.{key}", f"{par[key]}: expert and context parallelism "
-                                                                      "are not implemented yet; set 1"))
-    if par["fsdp"] not in (-1, world):
-        out.append(FieldError("spec.trainer.parallelism.fsdp", f"{par['fsdp']} does not match the {world} trainer "
-                                                               "rank(s) (hybrid sharding is not implemented yet); "
-                                                               "set -1"))
+    out = check_trainer_implemented(TrainerView.from_spec(run_spec), world_size)
     if run_spec["autoscaling"]["enabled"]:
         out.append(FieldError("spec.autoscaling.enabled", "the prefill/decode autoscaler is not implemented yet; "
                                                           "set false (pools keep the sizes from "
@@ -327,6 +311,32 @@ def check_implemented(run_spec: dict[str, Any], world_size: int | None = None) -
         out.append(FieldError("spec.weightSync.transport", f"{run_spec['weightSync']['transport']} is not "
                                                            "implemented yet; set filesystem (safetensors on the "
                                                            "shared storage, reloaded in place by every server)"))
+    return out
+
+
+def check_trainer_implemented(trainer: TrainerView, world_size: int | None = None) -> list[FieldError]:
+    """The trainer's share of :func:`check_implemented`: LoRA, quantization, ep/cp and a partial FSDP degree.
+
+    Args:
+        trainer: the trainer's view of the defaulted spec.
+        world_size: the trainer's actual rank count when known; otherwise nodes x gpusPerNode, or 1 on CPU.
+    """
+    world = world_size or trainer.nodes * max(1, trainer.gpus_per_node)
+    out = []
+    if trainer.lora_rank > 0:
+        out.append(FieldError("spec.trainer.lora.rank", "LoRA is not implemented by the trainer yet; set it to 0 "
+                                                        "(full fine-tuning)"))
+    if trainer.quantization != "none":
+        out.append(FieldError("spec.trainer.quantization", f"{trainer.quantization} training is not implemented "
+                                                           "yet; set none"))
+    for key, value in (("ep", trainer.ep), ("cp", trainer.cp)):
+        if value != 1:
+            out.append(FieldError(f"spec.trainer.parallelism.{key}", f"{value}: expert and context parallelism "
+                                                                      "are not implemented yet; set 1"))
+    if trainer.fsdp not in (-1, world):
+        out.append(FieldError("spec.trainer.parallelism.fsdp", f"{trainer.fsdp} does not match the {world} trainer "
+                                                               "rank(s) (hybrid sharding is not implemented yet); "
+                                                               "set -1"))
     return out
 
 

@@ -124,6 +124,13 @@ class TrainerView(SpecView):
     checkpoint_interval: int
     checkpoint_keep: int
     use_gpu: bool
+    nodes: int
+    gpus_per_node: int
+    fsdp: int
+    ep: int
+    cp: int
+    lora_rank: int
+    quantization: str
     weight_transport: str = "filesystem"
 
     @classmethod
@@ -138,7 +145,10 @@ class TrainerView(SpecView):
             lr_warmup_steps=alg["lrWarmupSteps"], temperature=alg["sampling"]["temperature"],
             ratio_low=alg["loss"]["ratioLow"], ratio_high=alg["loss"]["ratioHigh"], kl_coef=alg["loss"]["klCoef"],
             checkpoint_interval=trainer["checkpoint"]["intervalSteps"], checkpoint_keep=trainer["checkpoint"]["keep"],
-            use_gpu=trainer["gpusPerNode"] > 0, weight_transport=view["weightSync"]["transport"])
+            use_gpu=trainer["gpusPerNode"] > 0, nodes=trainer["nodes"], gpus_per_node=trainer["gpusPerNode"],
+            fsdp=trainer["parallelism"]["fsdp"], ep=trainer["parallelism"]["ep"], cp=trainer["parallelism"]["cp"],
+            lora_rank=trainer["lora"]["rank"], quantization=trainer["quantization"],
+            weight_transport=view["weightSync"]["transport"])
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from rlrun_api import constants
 from rlrun_api.views import InferenceView
-from rlrun_runtime.role import RoleConfigError, env_port, env_required, load_spec
+from rlrun_runtime.role import RoleConfigError, env_bind_host, env_port, env_required, load_spec
 from rlrun_runtime.role_exec import exec_server
 from rlrun_runtime.storage import RunStorage, list_steps
 from rlrun_runtime.vllm_worker import EXTENSION_QUALNAME
@@ -131,11 +131,10 @@ def main(argv: list[str]) -> int:
         storage = RunStorage(env_required(env, constants.ENV_STORAGE_DIR))
         from rlrun_runtime.tiny_model import ensure_model  # lazy: builds the tiny model when the spec names it
 
-        base_model = str(ensure_model(spec, storage))
+        base_model = str(ensure_model(InferenceView.from_spec(spec).model_name, storage))
         served = get_served_weights(storage)
         model, tokenizer = (str(served[1]), base_model) if served else (base_model, None)
-        host = env.get(constants.ENV_BIND_HOST, "").strip() or constants.DEFAULT_BIND_HOST
-        args = get_vllm_args(spec, role, model, port, tokenizer=tokenizer, host=host)
+        args = get_vllm_args(spec, role, model, port, tokenizer=tokenizer, host=env_bind_host(env))
     except RoleConfigError as err:
         print(f"rlrun-runtime inference: {err}", file=sys.stderr)
         return 2

@@ -40,7 +40,7 @@ import httpx
 
 from rlrun_api import constants
 from rlrun_api.views import OrchestratorView
-from rlrun_runtime.role import RoleConfigError, load_spec
+from rlrun_runtime.role import RoleConfigError, env_bind_host, env_list, env_port, env_required, load_spec
 from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
 from rlrun_runtime.rollouts import (Completion, Group, assemble_batch, get_completion_request, parse_completion_choice,
                                    plan_group_count)
@@ -101,7 +101,7 @@ class Orchestrator:
     """The asynchronous loop of one run.
 
     Args:
-        spec: defaulted ``RLRun.spec``.
+        view: the orchestrator's view of the defaulted spec (:class:`rlrun_api.views.OrchestratorView`).
         storage: the run's shared storage.
         env: the environment (``task(index)``, ``score(task, text)``).
         tokenizer: the policy's tokenizer (prompts only; completions are never re-tokenized).
@@ -110,10 +110,10 @@ class Orchestrator:
         metrics: the Prometheus metrics to update.
     """
 
-    def __init__(self, spec: Mapping[str, Any], storage: RunStorage, env: Any, tokenizer: Any,
+    def __init__(self, view: OrchestratorView, storage: RunStorage, env: Any, tokenizer: Any,
                  endpoints: Sequence[str], router_url: str | None, metrics: OrchestratorMetrics,
                  *, poll_s: float = POLL_S, health_timeout_s: float = HEALTH_TIMEOUT_S):
-        view = OrchestratorView.from_spec(spec)
+        self.view = view
         self.storage = storage
         self.transport = get_transport(view.weight_transport, storage)
         self.env = env
@@ -123,19 +123,11 @@ class Orchestrator:
         self.metrics = metrics
         self.poll_s = poll_s
         self.health_timeout_s = health_timeout_s
-        self.max_steps = view.max_steps
-        self.group_size = view.rollouts_per_prompt
-        self.batch_size = view.batch_size
-        self.max_async = view.max_async_level
-        self.max_off_policy = view.max_off_policy_steps
-        self.std_normalize = view.advantage_std_normalization
         self.sampling = {"temperature": view.temperature, "topP": view.top_p}
-        self.max_tokens = view.max_tokens
-        self.max_model_len = view.max_model_len
         # Choices per completions request: the whole group at once, except behind prefill/decode
         # disaggregation, where vLLM 0.32's completions handler returns only the first choice's
         # kv_transfer_params (entrypoints/openai/completion/serving.py), i.e. one KV hand-off for n sequences.
-        self.choices_per_request = 1 if view.disaggregated else self.group_size
+        self.choices_per_request = 1 if view.disaggregated else view.rollouts_per_prompt
         self.loaded_version = -1            # version every engine has loaded; -1 until the first check
         self.version_changed = asyncio.Event()
         # Open (set) except while a weight update is in flight: a new request reads loaded_version only
@@ -194,7 +186,7 @@ class Orchestrator:
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
-            limits = httpx.Limits(max_connections=max(64, self.batch_size), max_keepalive_connections=64)
+            limits = httpx.Limits(max_connections=max(64, self.view.batch_size), max_keepalive_connections=64)
             self._client = httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits)
         return self._client
 
@@ -278,7 +270,7 @@ class Orchestrator:
                 log.warning("weight sync failed (%d in a row): %s", failures, err)
                 if failures >= MAX_WEIGHT_FAILURES:
                     raise OrchestratorError(f"weight updates failed {failures} times in a row: {err}") from err
-            if self.loaded_version >= self.max_steps:
+            if self.loaded_version >= self.view.max_steps:
                 return
             if failures:
                 await asyncio.sleep(self.poll_s * min(2**failures, 50))
@@ -356,10 +348,10 @@ class Orchestrator:
         """
         task = self.env.task(task_index)
         prompt_ids, prompt_text = render_prompt(self.tokenizer, task.prompt)
-        max_tokens = min(self.max_tokens, self.max_model_len - len(prompt_ids))
+        max_tokens = min(self.view.max_tokens, self.view.max_model_len - len(prompt_ids))
         if max_tokens < 1:
             log.warning("task %d: prompt of %d tokens leaves no room under maxModelLen %d; skipped",
-                        task_index, len(prompt_ids), self.max_model_len)
+                        task_index, len(prompt_ids), self.view.max_model_len)
             return None
         # Never stamp a new request while a weight update is in flight (sync_weights_once): it would carry
         # the old version but run on the new weights. Nothing else is waited for: generation overlaps training.
@@ -367,9 +359,10 @@ class Orchestrator:
         version = self.loaded_version
         # One request with n = rolloutsPerPrompt (vLLM samples choice i with seed + i) instead of n HTTP
         # requests; n requests of n: 1 with seeds seed + i when disaggregated: the same samples either way.
-        seed, per_request = self.seed_rng.randrange(2**31 - self.group_size), self.choices_per_request
+        group_size, per_request = self.view.rollouts_per_prompt, self.choices_per_request
+        seed = self.seed_rng.randrange(2**31 - group_size)
         bodies = [get_completion_request(prompt_ids, self.sampling, max_tokens, version, seed=seed + first,
-                                         n=per_request) for first in range(0, self.group_size, per_request)]
+                                         n=per_request) for first in range(0, group_size, per_request)]
         answers = await asyncio.gather(*(self._complete(body, engines) for body in bodies))
         results = [completion for answer in answers for completion in answer]
         completions = [c for c in results if c is not None]
@@ -390,15 +383,17 @@ class Orchestrator:
     async def make_batch(self, step: int, cursor: int) -> tuple[dict[str, Any], int]:
         """Generate and assemble batch ``step`` starting at task ``cursor``; returns (batch, new cursor)."""
         started = time.monotonic()
+        view = self.view
         candidates = list(self.leftover)
         assembled = None
         dropped_bad = 0
         for round_index in range(MAX_ROUNDS_PER_BATCH):
-            assembled = assemble_batch(step, candidates, batch_size=self.batch_size,
-                                       max_off_policy_steps=self.max_off_policy, std_normalize=self.std_normalize)
-            if assembled.num_samples > self.batch_size - self.group_size:
+            assembled = assemble_batch(step, candidates, batch_size=view.batch_size,
+                                       max_off_policy_steps=view.max_off_policy_steps,
+                                       std_normalize=view.advantage_std_normalization)
+            if assembled.num_samples > view.batch_size - view.rollouts_per_prompt:
                 break
-            missing_groups = plan_group_count(self.batch_size - assembled.num_samples, self.group_size,
+            missing_groups = plan_group_count(view.batch_size - assembled.num_samples, view.rollouts_per_prompt,
                                               1.0 if self.signal_rate is None else self.signal_rate)
             engines = await self.engines()
             indices = list(range(cursor, cursor + missing_groups))
@@ -408,8 +403,9 @@ class Orchestrator:
             dropped_bad += sum(g.dropped_samples for g in new)
             candidates.extend(new)
         else:
-            assembled = assemble_batch(step, candidates, batch_size=self.batch_size,
-                                       max_off_policy_steps=self.max_off_policy, std_normalize=self.std_normalize)
+            assembled = assemble_batch(step, candidates, batch_size=view.batch_size,
+                                       max_off_policy_steps=view.max_off_policy_steps,
+                                       std_normalize=view.advantage_std_normalization)
         assert assembled is not None
         looked_at = len(assembled.used_groups) + assembled.dropped_zero_advantage_groups
         if looked_at:  # share of groups with a learning signal, smoothed over batches
@@ -443,9 +439,9 @@ class Orchestrator:
 
     async def batch_loop(self, next_step: int, cursor: int) -> None:
         """Write batches ``next_step`` .. maxSteps, each once the async gate lets it be generated."""
-        for step in range(next_step, self.max_steps + 1):
+        for step in range(next_step, self.view.max_steps + 1):
             waited = time.monotonic()
-            while self.loaded_version < 0 or not may_generate(step, self.loaded_version, self.max_async):
+            while self.loaded_version < 0 or not may_generate(step, self.loaded_version, self.view.max_async_level):
                 self.version_changed.clear()
                 await self.version_changed.wait()
             waited = time.monotonic() - waited
@@ -477,7 +473,8 @@ class Orchestrator:
             await self.wait_healthy()
             next_step, cursor = self.load_resume_point()
             log.info("starting at batch %d, prompt cursor %d (maxSteps %d, maxAsyncLevel %d, maxOffPolicySteps %d)",
-                     next_step, cursor, self.max_steps, self.max_async, self.max_off_policy)
+                     next_step, cursor, self.view.max_steps, self.view.max_async_level,
+                     self.view.max_off_policy_steps)
             weights = asyncio.create_task(self.weight_loop(), name="weights")
             batches = asyncio.create_task(self.batch_loop(next_step, cursor), name="batches")
             try:
@@ -508,37 +505,29 @@ def main(argv: list[str]) -> int:
     env = os.environ
     try:
         spec = load_spec(ns.config)
-        storage_dir = env.get(constants.ENV_STORAGE_DIR, "").strip()
-        endpoints = [e for e in env.get(constants.ENV_INFERENCE_ENDPOINTS, "").split(",") if e.strip()]
-        if not storage_dir:
-            raise RoleConfigError(f"environment variable {constants.ENV_STORAGE_DIR} is not set")
-        if not endpoints:
-            raise RoleConfigError(f"environment variable {constants.ENV_INFERENCE_ENDPOINTS} is not set "
-                                       "(comma-separated host:port of the inference servers)")
-        metrics_port = env.get(constants.ENV_METRICS_PORT, "").strip() or str(constants.ORCHESTRATOR_METRICS_PORT)
-        if not metrics_port.isdigit():
-            raise RoleConfigError(f"{constants.ENV_METRICS_PORT}={metrics_port!r} is not a port")
+        view = OrchestratorView.from_spec(spec)
+        storage = RunStorage(env_required(env, constants.ENV_STORAGE_DIR))
+        endpoints = env_list(env, constants.ENV_INFERENCE_ENDPOINTS, "host:port of the inference servers")
+        metrics_port = env_port(env, constants.ENV_METRICS_PORT, constants.ORCHESTRATOR_METRICS_PORT)
         from rlrun_runtime.environments import EnvironmentSpecError, load_environment
 
         try:
-            environment = load_environment(dict(OrchestratorView.from_spec(spec).environment))
+            environment = load_environment(dict(view.environment))
         except EnvironmentSpecError as err:
             raise RoleConfigError(str(err)) from err
     except RoleConfigError as err:
         print(f"rlrun-runtime orchestrator: {err}", file=sys.stderr)
         return 2
-    storage = RunStorage(storage_dir)
     from transformers import AutoTokenizer
 
     from rlrun_runtime.tiny_model import ensure_model
 
-    view = OrchestratorView.from_spec(spec)
-    model = ensure_model(spec, storage)
+    model = ensure_model(view.model_name, storage)
     revision = view.model_revision if model == view.model_name else None
     tokenizer = AutoTokenizer.from_pretrained(model, revision=revision)
     metrics = OrchestratorMetrics(view.max_steps)
-    server, _ = metrics.serve(int(metrics_port), addr=env.get(constants.ENV_BIND_HOST, "").strip() or constants.DEFAULT_BIND_HOST)
-    orchestrator = Orchestrator(spec, storage, environment, tokenizer, endpoints,
+    server, _ = metrics.serve(metrics_port, addr=env_bind_host(env))
+    orchestrator = Orchestrator(view, storage, environment, tokenizer, endpoints,
                                 env.get(constants.ENV_ROUTER_URL, "").strip() or None, metrics)
     try:
         return asyncio.run(orchestrator.run())

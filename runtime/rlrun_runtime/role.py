@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from rlrun_api import constants
 from rlrun_api.spec import apply_defaults
 
 
@@ -54,13 +55,33 @@ def env_required(env: Mapping[str, str], name: str) -> str:
     return value
 
 
-def env_port(env: Mapping[str, str], name: str, default: int) -> int:
-    """``env[name]`` as a TCP port, ``default`` when unset.
+def env_list(env: Mapping[str, str], name: str, what: str) -> list[str]:
+    """The non-blank comma-separated items of ``env[name]`` (``what`` says what an item is, for the error).
 
     Raises:
-        RoleConfigError: not an integer in 1..65535.
+        RoleConfigError: unset, blank, or only commas.
+    """
+    items = [item.strip() for item in env.get(name, "").split(",") if item.strip()]
+    if not items:
+        raise RoleConfigError(f"environment variable {name} is not set; the renderer (or rlrun local) sets it to "
+                              f"comma-separated {what}")
+    return items
+
+
+def env_port(env: Mapping[str, str], name: str, default: int, *, allow_off: bool = False) -> int:
+    """``env[name]`` as a TCP port, ``default`` when unset; with ``allow_off``, 0 means "do not listen".
+
+    Raises:
+        RoleConfigError: not an integer in 1..65535 (0..65535 with ``allow_off``).
     """
     raw = env.get(name, "").strip() or str(default)
-    if not raw.isdigit() or not 0 < int(raw) < 65536:
-        raise RoleConfigError(f"environment variable {name}={raw!r} is not a TCP port; set it to 1-65535")
+    low = 0 if allow_off else 1
+    if not raw.isdigit() or not low <= int(raw) < 65536:
+        raise RoleConfigError(f"environment variable {name}={raw!r} is not a TCP port; set it to {low}-65535"
+                              + (" (0: off)" if allow_off else ""))
     return int(raw)
+
+
+def env_bind_host(env: Mapping[str, str]) -> str:
+    """The address servers listen on: ``RLRUN_BIND_HOST``, or all interfaces (constants.DEFAULT_BIND_HOST)."""
+    return env.get(constants.ENV_BIND_HOST, "").strip() or constants.DEFAULT_BIND_HOST

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from rlrun_api import constants
 from rlrun_api.views import RouterView
-from rlrun_runtime.role import RoleConfigError, env_required, load_spec
+from rlrun_runtime.role import RoleConfigError, env_bind_host, env_list, env_port, env_required, load_spec
 from rlrun_runtime.role_exec import exec_server
 
 ROUTER_MODULE = "vllm_router.launch_router"
@@ -27,13 +27,7 @@ DISCOVERY_MODES = ("kubernetes", "static")
 # vllm-router waits for static workers to report healthy, polling every 30 s by default; vLLM on CPU is
 # ready in ~40 s, so a 30 s poll would add up to 30 s to every local start.
 WORKER_STARTUP_CHECK_INTERVAL_S = 1
-
-
-def _urls(env: Mapping[str, str], name: str) -> list[str]:
-    urls = [u.strip() for u in env_required(env, name).split(",") if u.strip()]
-    if not urls:
-        raise RoleConfigError(f"environment variable {name} holds no URL; set a comma-separated list of http://host:port")
-    return urls
+URLS = "http://host:port URLs"  # what the URL env vars list, for their error message
 
 
 def _selector(run_name: str, component: str) -> list[str]:
@@ -60,13 +54,12 @@ def get_router_args(spec: Mapping[str, Any], env: Mapping[str, str]) -> list[str
     """
     view = RouterView.from_spec(spec)
     disaggregated = view.disaggregated
-    host = env.get(constants.ENV_BIND_HOST, "").strip() or constants.DEFAULT_BIND_HOST
+    host = env_bind_host(env)
     args = [
         "--host", host,
-        "--port", env.get(constants.ENV_ROUTER_PORT, "").strip() or str(constants.ROUTER_PORT),
+        "--port", str(env_port(env, constants.ENV_ROUTER_PORT, constants.ROUTER_PORT)),
         "--prometheus-host", host,
-        "--prometheus-port",
-        env.get(constants.ENV_ROUTER_METRICS_PORT, "").strip() or str(constants.ROUTER_METRICS_PORT),
+        "--prometheus-port", str(env_port(env, constants.ENV_ROUTER_METRICS_PORT, constants.ROUTER_METRICS_PORT)),
         "--policy", view.policy,
         "--worker-startup-check-interval", str(WORKER_STARTUP_CHECK_INTERVAL_S),
     ]
@@ -87,12 +80,12 @@ def get_router_args(spec: Mapping[str, Any], env: Mapping[str, str]) -> list[str
             args += ["--selector", *_selector(run_name, constants.COMPONENT_INFERENCE)]
     elif discovery == "static":
         if disaggregated:
-            for url in _urls(env, constants.ENV_PREFILL_URLS):
+            for url in env_list(env, constants.ENV_PREFILL_URLS, URLS):
                 args += ["--prefill", url]
-            for url in _urls(env, constants.ENV_DECODE_URLS):
+            for url in env_list(env, constants.ENV_DECODE_URLS, URLS):
                 args += ["--decode", url]
         else:
-            args += ["--worker-urls", *_urls(env, constants.ENV_WORKER_URLS)]
+            args += ["--worker-urls", *env_list(env, constants.ENV_WORKER_URLS, URLS)]
     else:
         raise RoleConfigError(
             f"{constants.ENV_ROUTER_DISCOVERY}={discovery!r} is unknown; set it to one of {', '.join(DISCOVERY_MODES)}"

@@ -239,11 +239,11 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
-def ensure_model(spec: dict[str, Any], storage: RunStorage) -> str:
+def ensure_model(name: str, storage: RunStorage) -> str:
     """What vLLM and transformers should load for ``spec.model.name``.
 
     Args:
-        spec: the RLRun ``spec`` mapping (a whole RLRun object with a ``spec`` key is accepted too).
+        name: ``spec.model.name`` (each role passes its view's ``model_name``).
         storage: the run's storage.
 
     Returns:
@@ -252,9 +252,6 @@ def ensure_model(spec: dict[str, Any], storage: RunStorage) -> str:
         seeds vary prompts and sampling); for an existing local directory: that path; otherwise the name
         unchanged (a Hugging Face id).
     """
-    if "model" not in spec and isinstance(spec.get("spec"), dict):
-        spec = spec["spec"]
-    name = spec["model"]["name"]
     if name == constants.TINY_MODEL_NAME:
         model_dir = storage.model_dir
         with file_lock(storage.root / ".model.lock"):

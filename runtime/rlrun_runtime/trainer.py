@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from rlrun_api import constants as c
-from rlrun_api.validation import check_implemented
+from rlrun_api.validation import check_trainer_implemented
 from rlrun_api.views import TrainerView
-from rlrun_runtime.role import RoleConfigError, load_rlrun
+from rlrun_runtime.role import RoleConfigError, env_bind_host, env_port, env_required, load_spec
 
 from . import checkpoint as ckpt
 from .loss import LossMetrics, policy_loss, token_logprobs
@@ -45,18 +45,13 @@ BATCH_POLL_SECONDS = 0.05
 DISTRIBUTED_TIMEOUT = datetime.timedelta(minutes=30)
 
 
-def get_trainer_config(rlrun: dict[str, Any]) -> TrainerView:
-    """The trainer's typed view (:class:`rlrun_api.views.TrainerView`) of a defaulted RLRun."""
-    return TrainerView.from_spec(rlrun["spec"])
-
-
-def get_unsupported_fields(rlrun: dict[str, Any], world_size: int) -> list[str]:
+def get_unsupported_fields(cfg: TrainerView, world_size: int) -> list[str]:
     """Spec fields this trainer does not implement yet, each as "field: why; the fix" (empty when all is fine).
 
-    The same rules as ``rlrun_api.validation.check_implemented`` (which `rlrun validate` and the operator
+    The rules of ``rlrun_api.validation.check_trainer_implemented`` (which `rlrun validate` and the operator
     apply before anything starts), evaluated with the trainer's actual rank count.
     """
-    return [str(error) for error in check_implemented(rlrun["spec"], world_size)]
+    return [str(error) for error in check_trainer_implemented(cfg, world_size)]
 
 
 def get_lr_factor(step: int, schedule: str, warmup_steps: int, max_steps: int) -> float:
@@ -162,19 +157,19 @@ def get_metrics_record(step: int, batch: dict[str, Any], loss: float, metrics: L
 # --- I/O -------------------------------------------------------------------------------------------
 
 
-def load_trainer_rlrun(path: str) -> dict[str, Any]:
-    """The defaulted RLRun at ``path`` (:func:`rlrun_runtime.role.load_rlrun`) with a model name.
+def load_trainer_config(path: str) -> TrainerView:
+    """The trainer's view of the defaulted RLRun at ``path`` (:func:`rlrun_runtime.role.load_spec`).
 
     Raises:
-        RoleConfigError: as ``load_rlrun``, or ``spec.model.name`` is missing.
+        RoleConfigError: as ``load_spec``, or ``spec.model.name`` is missing.
     """
-    rlrun = load_rlrun(path)
-    if not isinstance(rlrun["spec"].get("model"), dict) or not rlrun["spec"]["model"].get("name"):
+    spec = load_spec(path)
+    if not isinstance(spec.get("model"), dict) or not spec["model"].get("name"):
         raise RoleConfigError("spec.model.name: missing; name an HF model id, a model directory or rlrun-tiny")
-    return rlrun
+    return TrainerView.from_spec(spec)
 
 
-def resolve_model(rlrun: dict[str, Any], storage: RunStorage) -> str:
+def resolve_model(cfg: TrainerView, storage: RunStorage) -> str:
     """What to load for ``spec.model.name`` (via :func:`rlrun_runtime.tiny_model.ensure_model`).
 
     Raises:
@@ -183,11 +178,11 @@ def resolve_model(rlrun: dict[str, Any], storage: RunStorage) -> str:
     """
     from .tiny_model import ensure_model
 
-    name = rlrun["spec"]["model"]["name"]
+    name = cfg.model_name
     if name.startswith(("/", ".", "~")) and not Path(name).expanduser().is_dir():
         raise RoleConfigError(f"spec.model.name: model directory {name} does not exist; build or copy the HF model "
-                         "there, or name an HF model id or rlrun-tiny")
-    return ensure_model(rlrun["spec"], storage)
+                              "there, or name an HF model id or rlrun-tiny")
+    return ensure_model(name, storage)
 
 
 def wait_for_batch(storage: RunStorage, step: int, poll_seconds: float = BATCH_POLL_SECONDS) -> tuple[dict, float]:
@@ -263,7 +258,7 @@ def start_metrics_server(port: int) -> dict[str, Any]:
         "wait_seconds": Gauge(c.METRIC_TRAINER_WAIT_SECONDS, "Seconds the last step waited for its batch.",
                               registry=registry),
     }
-    host = os.environ.get(c.ENV_BIND_HOST, "").strip() or c.DEFAULT_BIND_HOST
+    host = env_bind_host(os.environ)
     try:
         start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
@@ -349,9 +344,9 @@ def build_model(model_path: str, cfg: TrainerView, device: torch.device, revisio
 class Trainer:
     """One rank of the trainer: model, optimizer, schedule, and the step loop (see the module docstring)."""
 
-    def __init__(self, rlrun: dict[str, Any], storage: RunStorage, model_path: str, rank: int, world: int,
+    def __init__(self, cfg: TrainerView, storage: RunStorage, model_path: str, rank: int, world: int,
                  device: torch.device):
-        self.cfg = get_trainer_config(rlrun)
+        self.cfg = cfg
         self.storage, self.rank, self.world, self.device = storage, rank, world, device
         self.transport = get_transport(self.cfg.weight_transport, storage)
         self.revision = self.cfg.model_revision
@@ -493,24 +488,18 @@ def main(argv: list[str] | None = None) -> int:
     if threads and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
     try:
-        rlrun = load_trainer_rlrun(args.config)
-        root = os.environ.get(c.ENV_STORAGE_DIR)
-        if not root:
-            raise RoleConfigError(f"{c.ENV_STORAGE_DIR} is not set; point it at the run's storage directory")
-        storage = RunStorage(root)
-        port_text = os.environ.get(c.ENV_TRAINER_METRICS_PORT, str(c.TRAINER_METRICS_PORT))
-        if not port_text.isdigit():
-            raise RoleConfigError(f"{c.ENV_TRAINER_METRICS_PORT}={port_text!r} is not a port number; set it to one")
-        cfg = get_trainer_config(rlrun)
-        model_path = resolve_model(rlrun, storage)
+        cfg = load_trainer_config(args.config)
+        storage = RunStorage(env_required(os.environ, c.ENV_STORAGE_DIR))
+        metrics_port = env_port(os.environ, c.ENV_TRAINER_METRICS_PORT, c.TRAINER_METRICS_PORT, allow_off=True)
+        model_path = resolve_model(cfg, storage)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        unsupported = get_unsupported_fields(rlrun, world_size)
+        unsupported = get_unsupported_fields(cfg, world_size)
         if unsupported:
             raise RoleConfigError("; ".join(unsupported))
         rank, world, device = init_distributed(cfg.use_gpu)
         try:
-            trainer = Trainer(rlrun, storage, model_path, rank, world, device)
-            return trainer.run(int(port_text) if int(port_text) > 0 else None)
+            trainer = Trainer(cfg, storage, model_path, rank, world, device)
+            return trainer.run(metrics_port or None)
         finally:
             dist.destroy_process_group()
     except RoleConfigError as exc:

@@ -117,18 +117,17 @@ def test_warm_up_leaves_headroom_for_rl(model_dir):
 
 def test_ensure_model_builds_tiny_once_and_passes_others_through(model_dir, tmp_path):
     storage = RunStorage(tmp_path / "run")
-    spec = {"model": {"name": constants.TINY_MODEL_NAME}}
-    path = tiny_model.ensure_model(spec, storage)
+    path = tiny_model.ensure_model(constants.TINY_MODEL_NAME, storage)
     assert path == str(storage.model_dir) and (storage.model_dir / "model.safetensors").is_file()
     stamp = (storage.model_dir / "model.safetensors").stat().st_mtime_ns
-    assert tiny_model.ensure_model({"spec": spec}, storage) == path  # whole RLRun object accepted
+    assert tiny_model.ensure_model(constants.TINY_MODEL_NAME, storage) == path
     assert (storage.model_dir / "model.safetensors").stat().st_mtime_ns == stamp  # not rebuilt
-    assert tiny_model.ensure_model({"model": {"name": str(model_dir)}}, storage) == str(model_dir)
-    assert tiny_model.ensure_model({"model": {"name": "Qwen/Qwen3-0.6B"}}, storage) == "Qwen/Qwen3-0.6B"
+    assert tiny_model.ensure_model(str(model_dir), storage) == str(model_dir)
+    assert tiny_model.ensure_model("Qwen/Qwen3-0.6B", storage) == "Qwen/Qwen3-0.6B"
 
 
 def _ensure_in_child(root: str, queue) -> None:
-    queue.put(tiny_model.ensure_model({"model": {"name": constants.TINY_MODEL_NAME}}, RunStorage(root)))
+    queue.put(tiny_model.ensure_model(constants.TINY_MODEL_NAME, RunStorage(root)))
 
 
 def test_ensure_model_from_concurrent_processes(model_dir, tmp_path):

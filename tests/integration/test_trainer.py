@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from rlrun_runtime.checkpoint import find_latest_checkpoint, truncate_metrics
 from rlrun_runtime.storage import RunStorage, atomic_write_json
 from rlrun_api.spec import apply_defaults
+from rlrun_api.views import TrainerView
 from rlrun_runtime.trainer import get_lr_factor, get_unsupported_fields
 from tiny_qwen3 import VOCAB, save_model_dir
 
@@ -229,8 +230,8 @@ def test_truncate_metrics_keeps_steps_up_to_checkpoint(tmp_path):
 
 def test_unimplemented_spec_fields_are_refused():
     def spec(**trainer):
-        return apply_defaults({"spec": {"model": {"name": "m"}, "environment": {"type": "builtin", "name": "x"},
-                                        "trainer": trainer}})
+        return TrainerView.from_spec(apply_defaults({"spec": {
+            "model": {"name": "m"}, "environment": {"type": "builtin", "name": "x"}, "trainer": trainer}})["spec"])
 
     assert get_unsupported_fields(spec(), world_size=2) == []
     assert get_unsupported_fields(spec(parallelism={"fsdp": 2}), world_size=2) == []

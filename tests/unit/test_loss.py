@@ -120,7 +120,8 @@ def _samples(count=7, seed=1):
 CFG = TrainerView(model_name="rlrun-tiny", model_revision=None, max_steps=1, micro_batch_size=1,
                   learning_rate=1e-3, weight_decay=0.0, max_grad_norm=1.0,
                   lr_schedule="constant", lr_warmup_steps=0, temperature=0.8, ratio_low=0.125, ratio_high=8.0,
-                  kl_coef=0.05, checkpoint_interval=1, checkpoint_keep=1, dtype="float32", use_gpu=False)
+                  kl_coef=0.05, checkpoint_interval=1, checkpoint_keep=1, dtype="float32", use_gpu=False,
+                  nodes=1, gpus_per_node=0, fsdp=-1, ep=1, cp=1, lora_rank=0, quantization="none")
 
 
 def _loss_and_grads(model, micro_batches, total, total_on_policy=0):

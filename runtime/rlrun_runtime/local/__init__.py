@@ -366,7 +366,7 @@ def run_plan(plan: LocalPlan, run_spec: Mapping[str, Any], name: str, output_dir
         print(f"preparing the model for {name} ({run_spec['model']['name']}) ...", file=out, flush=True)
         from ..tiny_model import ensure_model
 
-        ensure_model(dict(run_spec), storage)
+        ensure_model(run_spec["model"]["name"], storage)
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         become_subreaper()
         print(f"starting {len(plan.processes)} processes ({', '.join(p.name for p in plan.processes)}); "

@@ -19,8 +19,7 @@ import logging
 import time
 from typing import Sequence
 
-from rlrun_runtime.vllm_admin import (DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, EngineError, VLLMAdmin, parse_version,
-                                      resolve_engines)
+from rlrun_runtime.vllm_admin import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, EngineError, VLLMAdmin, parse_version
 from rlrun_runtime.weights.transport import WeightTransport
 
 log = logging.getLogger(__name__)
@@ -93,18 +92,3 @@ async def update_engines(engines: Sequence[str], version: int, transport: Weight
                           f"{len(failures)} engines failed: " + "; ".join(str(f) for f in failures))
     return [r for r in results if isinstance(r, EngineUpdate)]
 
-
-async def update_weights_everywhere(endpoints: str | Sequence[str], version: int, transport: WeightTransport, *,
-                                    timeout_s: float = DEFAULT_TIMEOUT_S, retries: int = DEFAULT_RETRIES
-                                    ) -> dict[str, float]:
-    """Load ``version`` on every engine behind ``endpoints`` (``resolve_engines``), concurrently.
-
-    Returns:
-        ``{engine base URL: pause->resume latency in ms}``.
-
-    Raises:
-        As :func:`update_engines`.
-    """
-    updates = await update_engines(resolve_engines(endpoints), version, transport, timeout_s=timeout_s,
-                                   retries=retries)
-    return {u.engine: u.latency_ms for u in updates}
