@@ -10,6 +10,8 @@ emulator), as it would in a cluster. Printed figures:
 - write calls during a no-op resync: (a) while the operator idles through several status intervals, (b)
   across an operator restart (every run's resume handler reconciles it again).
 Not a timed test: run it by hand from the repository root, `.venv/bin/python -m benchmarks.operator_reconcile [--runs 100]`.
+``--emulator-cpus 0 --operator-cpus 1`` pins the two processes to separate cores (``os.sched_setaffinity``),
+so the latency is the operator's and not the emulator's competing with it for one core.
 """
 
 from __future__ import annotations
@@ -77,10 +79,22 @@ def write_kubeconfig(server: str, path: Path) -> None:
     }))
 
 
-async def start_operator(kubeconfig: Path, interval: float, log: Any) -> tuple[subprocess.Popen, int]:
+STARTS = [0]  # operator processes started so far (names the profile files)
+
+
+def parse_cpus(text: str | None) -> set[int] | None:
+    """``"0"`` or ``"0,1"`` -> {0} or {0, 1}; None or "" -> None (inherit the affinity)."""
+    return {int(c) for c in text.split(",")} if text else None
+
+
+async def start_operator(kubeconfig: Path, interval: float, log: Any,
+                         cpus: set[int] | None = None) -> tuple[subprocess.Popen, int]:
     health = free_port()
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     profile = os.environ.get("RLRUN_BENCH_PROFILE")  # a path: run the operator under cProfile
+    if profile:  # one file per start: PATH (the 100 creates), PATH.1 (the restart)
+        profile += f".{STARTS[0]}" if STARTS[0] else ""
+        STARTS[0] += 1
     script = Path(sys.executable).parent / "rlrun-operator"
     command = [sys.executable, "-m", "cProfile", "-o", profile, "-m", "rlrun_operator.main"] if profile else \
         [str(script)] if script.exists() else [sys.executable, "-m", "rlrun_operator.main"]
@@ -88,7 +102,8 @@ async def start_operator(kubeconfig: Path, interval: float, log: Any) -> tuple[s
         [*command, "--status-interval", str(interval),
          "--metrics-port", "0", "--health-port", str(health), "--metrics-host", "127.0.0.1",
          *(["-v"] if os.environ.get("RLRUN_BENCH_VERBOSE") else [])],
-        env=env, stdout=log, stderr=subprocess.STDOUT)
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     async with aiohttp.ClientSession() as session:
         for _ in range(600):
             try:
@@ -101,6 +116,18 @@ async def start_operator(kubeconfig: Path, interval: float, log: Any) -> tuple[s
                 raise RuntimeError(f"rlrun-operator exited with {proc.returncode}")
             await asyncio.sleep(0.1)
     raise RuntimeError("rlrun-operator did not become live in 60 s")
+
+
+def start_py_spy(pid: int) -> subprocess.Popen | None:
+    """``RLRUN_BENCH_PY_SPY=PATH-OF-PY-SPY:OUT``: sample the operator (every thread, 200 Hz, without pausing
+    it) for ``RLRUN_BENCH_PY_SPY_S`` seconds (default 20) from its first start, into OUT (raw folded stacks)."""
+    spec = os.environ.get("RLRUN_BENCH_PY_SPY")
+    if not spec:
+        return None
+    binary, out = spec.rsplit(":", 1)
+    duration = os.environ.get("RLRUN_BENCH_PY_SPY_S", "20")
+    return subprocess.Popen([binary, "record", "--pid", str(pid), "--nonblocking", "-r", "200", "-d", duration,
+                             "--format", "raw", "-o", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def stop_operator(proc: subprocess.Popen) -> None:
@@ -143,7 +170,7 @@ async def wait_quiet(emu: FidelityEmulator, quiet_s: float, limit_s: float) -> N
             return
 
 
-async def main(runs: int, interval: float) -> None:
+async def main(runs: int, interval: float, operator_cpus: set[int] | None = None) -> None:
     template = yaml.safe_load((ROOT / "examples" / "rlrun-tiny.yaml").read_text())
     with tempfile.TemporaryDirectory() as tmp:
         log = open(os.environ.get("RLRUN_BENCH_LOG", str(Path(tmp) / "operator.log")), "w")
@@ -152,7 +179,8 @@ async def main(runs: int, interval: float) -> None:
             kubeconfig = Path(tmp) / "kubeconfig"
             write_kubeconfig(url, kubeconfig)
             api = KubeApi(get_api_client(url))
-            proc, _ = await start_operator(kubeconfig, interval, log)
+            proc, _ = await start_operator(kubeconfig, interval, log, operator_cpus)
+            spy = start_py_spy(proc.pid)
             try:
                 created: dict[tuple[str, str], float] = {}
 
@@ -185,15 +213,18 @@ async def main(runs: int, interval: float) -> None:
                 await asyncio.sleep(interval * 3)
                 idle = count_writes(emu, idle_start)
 
+                if spy is not None:
+                    spy.wait()
                 stop_operator(proc)
                 restart_start = len(emu.writes)
-                proc, _ = await start_operator(kubeconfig, interval, log)
+                proc, _ = await start_operator(kubeconfig, interval, log, operator_cpus)
                 await wait_quiet(emu, quiet_s=interval * 2.5, limit_s=120)
                 await asyncio.sleep(interval * 2)
                 restart = count_writes(emu, restart_start)
             finally:
                 stop_operator(proc)
                 log.close()
+                await api.close()
     duplicates = sum(len(v) - EXPECTED_CHILDREN for v in emu.child_times.values())
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
           f"{runs} RLRuns (examples/rlrun-tiny.yaml, {EXPECTED_CHILDREN} children each) in 10 namespaces; "
@@ -202,7 +233,8 @@ async def main(runs: int, interval: float) -> None:
     print(f"CPU seconds until then: API server (kmock, this process) {cpu_server:.2f} for {served} requests "
           f"({1000 * cpu_server / max(served, 1):.1f} ms each), operator {cpu_operator:.2f} "
           f"({1000 * cpu_operator / runs:.0f} ms per run); 1-min load average {load:.1f} on {os.cpu_count()} cores "
-          f"(affinity: {len(os.sched_getaffinity(0))} cores)")
+          f"(emulator on cores {sorted(os.sched_getaffinity(0))}, operator on "
+          f"{sorted(operator_cpus) if operator_cpus else 'the same'})")
     print(f"create -> all children present: p50 {statistics.median(latencies):.2f} s, "
           f"p99 {percentile(latencies, 0.99):.2f} s, max {max(latencies):.2f} s")
     print(f"write calls per run while converging: children {converge['children'] / runs:.2f}, "
@@ -218,5 +250,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--status-interval", type=float, default=constants.OPERATOR_STATUS_INTERVAL_S)
+    parser.add_argument("--emulator-cpus", help="CPU list for this process (the emulator), e.g. 0")
+    parser.add_argument("--operator-cpus", help="CPU list for the operator process, e.g. 1")
     args = parser.parse_args()
-    asyncio.run(main(args.runs, args.status_interval))
+    if parse_cpus(args.emulator_cpus):
+        os.sched_setaffinity(0, parse_cpus(args.emulator_cpus))
+    asyncio.run(main(args.runs, args.status_interval, parse_cpus(args.operator_cpus)))

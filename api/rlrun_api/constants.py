@@ -100,6 +100,10 @@ INFERENCE_ROLE_BOTH = "both"        # no KV connector (disaggregation off)
 CONFIG_MOUNT_DIR = "/etc/rlrun"
 CONFIG_FILE_NAME = "rlrun.yaml"
 CONFIG_PATH = f"{CONFIG_MOUNT_DIR}/{CONFIG_FILE_NAME}"
+# Size of the PersistentVolumeClaim rlrun creates when spec.storage.size is left out. Filled in by the
+# renderer, not a CRD default: a schema default would also land in runs with storage.claimName, which
+# refuse a size. (CRDs before this change defaulted it, so stored claimName runs may still carry it.)
+DEFAULT_STORAGE_SIZE = "100Gi"
 
 # --- Names ---------------------------------------------------------------------------------------
 SERVED_MODEL_NAME = "policy"  # vLLM --served-model-name: the name requests use, whatever the weights

@@ -22,6 +22,8 @@ class OperatorConfig:
         watch_server_timeout_s, watch_client_timeout_s: kopf's watch timeouts (the server closes the watch
             first; the client gives up a little later), so a silently dead watch is re-opened.
         connect_timeout_s, request_timeout_s: kopf's API connection and request timeouts.
+        stop_timeout_s: on exit, how long kopf waits for a status timer to return after telling it to stop
+            (a refresh in flight is cancelled at once; kopf's settings.background.instant_exit_timeout).
     """
 
     status_interval_s: float = constants.OPERATOR_STATUS_INTERVAL_S
@@ -31,6 +33,7 @@ class OperatorConfig:
     watch_client_timeout_s: int = 330
     connect_timeout_s: float = 30.0
     request_timeout_s: float = 60.0
+    stop_timeout_s: float = 2.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> "OperatorConfig":

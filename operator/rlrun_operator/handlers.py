@@ -11,7 +11,9 @@ its own settings (:class:`rlrun_operator.config.OperatorConfig`). The operator-w
   and one Warning Event, and creates nothing.
 - timer (every ``config.status_interval_s`` seconds): refresh the status from children and metrics, then do
   what ``reconcile.plan_after_refresh`` decides (finish: give a finished run's GPUs back; drift: recreate a
-  missing child). kopf puts its finalizer (constants.FINALIZER) on served RLRuns because of it.
+  missing child). kopf puts its finalizer (constants.FINALIZER) on served RLRuns because of it. A refresh in
+  flight when the operator stops (SIGTERM) is cancelled (``run_unless_stopped``), so the operator exits
+  within ``config.stop_timeout_s`` without orphaning it.
 - delete (optional, no finalizer of its own): forget the run's metric series.
 
 Status writes: the handlers and the timer of one run run concurrently in kopf, so each status write holds
@@ -85,6 +87,30 @@ async def publish_status(memo: kopf.Memo, namespace: str, name: str,
                        reason=change.new_phase, message=f"phase {change.old_phase or 'none'} -> {change.new_phase}")
 
 
+async def run_unless_stopped(work: Awaitable[None], stopped: kopf.DaemonStopped) -> None:
+    """Await ``work`` (one status refresh); when kopf's stopper fires first (the operator is exiting, or
+    the run is being deleted), cancel it and return.
+
+    kopf never cancels a timer: on exit it sets the stopper and, if the timer is still running, leaves it
+    orphaned ("did not exit in time") and goes on to the cleanup handlers, which close the HTTP session
+    the refresh scrapes with ("Session is closed"). A refresh cancelled here writes nothing more; the next
+    operator's resume and timer redo it.
+    """
+    task = asyncio.ensure_future(work)
+    waiter = asyncio.ensure_future(stopped.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        if not stopped:  # cancelled from outside, not by the stopper: let kopf see it
+            raise
+
+
 def get_registry(config: OperatorConfig | None = None, login: bool = True) -> kopf.OperatorRegistry:
     """A kopf registry with every handler of the operator.
 
@@ -115,6 +141,9 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
         settings.watching.connect_timeout = memo.config.connect_timeout_s
         settings.networking.request_timeout = memo.config.request_timeout_s
         settings.posting.level = logging.WARNING
+        # On exit, wait up to this long for a timer to return once its stopper is set (run_unless_stopped
+        # makes that immediate) instead of 10 event-loop cycles, after which kopf orphans it.
+        settings.background.instant_exit_timeout = memo.config.stop_timeout_s
         if getattr(memo, "api", None) is None:
             memo.api = KubeApi(load_api_client())
         memo.http = aiohttp.ClientSession()
@@ -126,6 +155,9 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
         http = getattr(memo, "http", None)
         if http is not None:
             await http.close()
+        api = getattr(memo, "api", None)
+        if api is not None:
+            await api.close()  # its connections (a later call would open new ones)
 
     async def reconcile(body: Any, memo: kopf.Memo, trigger: str, prune: bool, assume_absent: bool,
                         finished: bool | None = None) -> None:
@@ -168,7 +200,10 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
 
     @kopf.timer(*RESOURCE, registry=registry, interval=config.status_interval_s,
                 initial_delay=config.status_interval_s)
-    async def refresh(body: Any, memo: kopf.Memo, **_: Any) -> None:
+    async def refresh(body: Any, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
+        await run_unless_stopped(refresh_once(body, memo), stopped)
+
+    async def refresh_once(body: Any, memo: kopf.Memo) -> None:
         state = get_run_state(memo)
         if not state.reconciled:
             return  # the create/resume handler has not finished yet (it writes the first status)

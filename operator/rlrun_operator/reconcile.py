@@ -78,10 +78,44 @@ def get_defaulted(rlrun: dict[str, Any]) -> dict[str, Any]:
     return {**rlrun, "spec": copy.deepcopy(spec)}
 
 
+def get_without_stored_default(rlrun: dict[str, Any]) -> dict[str, Any]:
+    """``rlrun`` without a spec.storage.size that the API server stored as a default (a shallow copy).
+
+    Until storage.size lost its schema default, the API server wrote ``size: 100Gi``
+    (constants.DEFAULT_STORAGE_SIZE) into every stored run, also those with storage.claimName, which the
+    CRD's rules now refuse. Such a stored run was valid when it was written; its size was never used, so
+    it is validated without it. The render keeps reading the stored spec, so its children (and their
+    hashes) stay as they are. A new run cannot get here with both: the API server refuses it at admission.
+    """
+    storage = (rlrun.get("spec") or {}).get("storage")
+    if not isinstance(storage, dict) or not storage.get("claimName") \
+            or storage.get("size") != constants.DEFAULT_STORAGE_SIZE:
+        return rlrun
+    return {**rlrun, "spec": {**rlrun["spec"], "storage": {k: v for k, v in storage.items() if k != "size"}}}
+
+
+_INVALID: dict[tuple[str, int], list[str]] = {}
+
+
 def get_invalid(rlrun: dict[str, Any]) -> list[str]:
-    """Validation errors of an RLRun as "path: message" lines (empty when valid); never raises."""
-    subject = {k: v for k, v in rlrun.items() if k != "status"}
-    return [f"{e.path}: {e.message}" for e in validate(subject)]
+    """Validation errors of an RLRun as "path: message" lines (empty when valid); never raises.
+
+    Validated without status and without a stored storage.size default (get_without_stored_default).
+    Memoised per (metadata.uid, metadata.generation), like get_defaulted: what validate() reads besides
+    the spec (apiVersion, kind, metadata.name and namespace) cannot change within one object's generation.
+    Objects without uid or generation are validated every time.
+    """
+    meta = rlrun.get("metadata") or {}
+    key = (meta.get("uid"), meta.get("generation"))
+    found = _INVALID.get(key) if None not in key else None
+    if found is None:
+        subject = get_without_stored_default({k: v for k, v in rlrun.items() if k != "status"})
+        found = [f"{e.path}: {e.message}" for e in validate(subject)]
+        if None not in key:
+            if len(_INVALID) >= _DEFAULTED_SPECS_MAX:
+                _INVALID.clear()
+            _INVALID[key] = found
+    return list(found)
 
 
 def is_finished(rlrun: dict[str, Any]) -> bool:

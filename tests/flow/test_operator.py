@@ -10,9 +10,12 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +216,72 @@ def test_status_follows_children_and_orchestrator_metrics_until_succeeded() -> N
             finally:
                 metrics_server.shutdown()
                 vllm_server.shutdown()
+
+    asyncio.run(scenario())
+
+
+def printer_columns() -> list[dict[str, Any]]:
+    crd = yaml.safe_load((ROOT / "crds" / "rlrun.yaml").read_text())
+    return crd["spec"]["versions"][0]["additionalPrinterColumns"]
+
+
+def resolve_column(obj: dict[str, Any], json_path: str) -> Any:
+    """What kubectl prints for a printer column's jsonPath on ``obj`` (None when nothing matches): the
+    forms the CRD uses, ``.a.b`` and ``.a[?(@.k=="v")].b`` (tests/unit/test_crd.py keeps it to those)."""
+    match = re.fullmatch(r'((?:\.\w+)+?)(?:\[\?\(@\.(\w+)=="(\w+)"\)\]((?:\.\w+)+))?', json_path)
+    assert match, json_path
+    head, key, value, tail = match.groups()
+
+    def walk(node: Any, dotted: str) -> Any:
+        for part in dotted.strip(".").split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    found = walk(obj, head)
+    if key is None:
+        return found
+    items = [item for item in found or [] if isinstance(item, dict) and item.get(key) == value]
+    return walk(items[0], tail) if items else None
+
+
+def test_printer_columns_show_what_the_operator_writes() -> None:
+    """`kubectl get rlr` on the status the real operator writes: a run without disaggregation shows its
+    ready inference pods (not two empty Prefill/Decode columns), a disaggregated one prefill and decode;
+    the wide columns show the Ready condition, the trainer and the policy version."""
+    async def scenario() -> None:
+        async with serve_kubernetes() as (emu, url):
+            api = KubeApi(get_api_client(url))
+            ip, metrics_server = serve_orchestrator_metrics(step=4, version=4, reward=0.5)
+            try:
+                async with run_operator(url, status_interval=INTERVAL):
+                    await api.create(make_run("plain", "ns1"))
+                    await api.create(make_run("split", "ns1", disaggregated=True))
+                    for name in ("plain", "split"):
+                        await wait_for(lambda: run_status(emu, "ns1", name).get("phase") == "Initializing")
+                        await play_ready(api, emu, "ns1", name)
+                    await create_pod(api, "ns1", "plain", constants.COMPONENT_ORCHESTRATOR, ip)
+                    await wait_for(lambda: run_status(emu, "ns1", "plain").get("step") == 4)
+                    await wait_for(lambda: condition(run_status(emu, "ns1", "split"), "Ready")["status"] == "True")
+                    await wait_for(lambda: condition(run_status(emu, "ns1", "plain"), "Ready")["status"] == "True")
+                    columns = printer_columns()
+                    rows = {name: {c["name"]: resolve_column(one(emu, constants.KIND, "ns1", name), c["jsonPath"])
+                                   for c in columns}
+                            for name in ("plain", "split")}
+            finally:
+                metrics_server.shutdown()
+        plain, split = rows["plain"], rows["split"]
+        assert {k: plain[k] for k in ("Phase", "Step", "Reward", "Inference", "Prefill", "Decode")} == {
+            "Phase": "Running", "Step": 4, "Reward": 0.5, "Inference": 1, "Prefill": None, "Decode": None}
+        assert {k: split[k] for k in ("Phase", "Inference", "Prefill", "Decode")} == {
+            "Phase": "Running", "Inference": None, "Prefill": 1, "Decode": 1}
+        for row in (plain, split):
+            assert (row["Ready"], row["Reason"], row["Trainer"]) == ("True", "AllRolesReady", 1)
+            assert row["Age"]  # metadata.creationTimestamp
+        assert plain["Policy"] == 4
+        # Every default column says something about every run's pods (Prefill/Decode xor Inference).
+        default = [c["name"] for c in columns if not c.get("priority")]
+        for row in (plain, split):
+            assert any(row[name] for name in ("Inference", "Prefill", "Decode") if name in default)
 
     asyncio.run(scenario())
 
@@ -436,7 +505,78 @@ def test_rlrun_operator_process_logs_in_with_kubeconfig_and_serves_metrics_and_l
     asyncio.run(scenario())
 
 
-def test_deleted_workload_is_recreated_by_the_status_timer() -> None:
+# Seconds the operator may take from SIGTERM to exit: kopf's own shutdown waits up to 5 s for handlers
+# still running before it cancels them; a pod has 30 s (terminationGracePeriodSeconds) before SIGKILL.
+STOP_GRACE_S = 5.0
+
+
+async def serve_hanging_metrics() -> tuple[str, asyncio.Event, Any]:
+    """A metrics endpoint at a random 127.0.0.x:ORCHESTRATOR_METRICS_PORT that reads each request and
+    never answers it (it holds the connection until the client closes it): a status refresh that scrapes
+    it stays in flight. Returns (ip, an Event set on the first request, the server)."""
+    asked = asyncio.Event()
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            asked.set()
+            await reader.read()  # until the client goes away
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    for _ in range(20):
+        ip = f"127.0.0.{random.randint(20, 250)}"
+        try:
+            server = await asyncio.start_server(hold, ip, constants.ORCHESTRATOR_METRICS_PORT)
+        except OSError:
+            continue
+        return ip, asked, server
+    raise RuntimeError("no free 127.0.0.x address for the metrics server")
+
+
+def test_sigterm_during_a_status_refresh_exits_cleanly_within_the_grace_period(tmp_path: Path) -> None:
+    """The console script as a process gets SIGTERM while its status timer waits on a scrape (the
+    orchestrator's /metrics never answers): it exits 0 within STOP_GRACE_S, and its log has no ERROR, no
+    traceback and no timer left orphaned (kopf: "did not exit in time")."""
+    async def scenario() -> tuple[int | None, float, str]:
+        async with serve_kubernetes() as (emu, url):
+            kubeconfig = tmp_path / "kubeconfig"
+            kubeconfig.write_text(yaml.safe_dump({
+                "apiVersion": "v1", "kind": "Config", "current-context": "t",
+                "clusters": [{"name": "t", "cluster": {"server": url}}], "users": [{"name": "t", "user": {}}],
+                "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}]}))
+            log = open(tmp_path / "operator.log", "wb")
+            proc = subprocess.Popen(
+                [str(Path(sys.executable).parent / "rlrun-operator"), "--status-interval", "0.5",
+                 "--metrics-port", "0", "--health-port", "0", "--log-level", "info"],
+                env={**os.environ, "KUBECONFIG": str(kubeconfig)}, stdout=log, stderr=subprocess.STDOUT)
+            ip, asked, server = await serve_hanging_metrics()
+            try:
+                api = KubeApi(get_api_client(url))
+                await api.create(make_run("term", "ns1"))
+                await wait_for(lambda: run_status(emu, "ns1", "term").get("phase") == "Initializing", timeout=60)
+                await play_ready(api, emu, "ns1", "term")
+                await create_pod(api, "ns1", "term", constants.COMPONENT_ORCHESTRATOR, ip)
+                await asyncio.wait_for(asked.wait(), timeout=30)  # a refresh is now waiting on the scrape
+                assert proc.poll() is None
+                proc.send_signal(signal.SIGTERM)
+                sent = time.monotonic()
+                await wait_for(lambda: proc.poll() is not None, timeout=30)
+                return proc.returncode, time.monotonic() - sent, (tmp_path / "operator.log").read_text()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                log.close()
+                server.close()
+
+    code, took, text = asyncio.run(scenario())
+    assert code == 0, text
+    assert took < STOP_GRACE_S, (took, text)
+    for bad in ("ERROR", "Traceback", "did not exit in time", "orphaned"):
+        assert bad not in text, text
+
     async def scenario() -> None:
         async with serve_kubernetes() as (emu, url):
             api = KubeApi(get_api_client(url))

@@ -45,18 +45,41 @@ def test_names_scope_and_status_subresource() -> None:
     assert version["subresources"] == {"status": {}}
 
 
+# A printer column's jsonPath: dotted fields, optionally through a list filtered by one field's value.
+COLUMN_PATH = re.compile(r'^((?:\.\w+)+?)(?:\[\?\(@\.(\w+)=="(\w+)"\)\]((?:\.\w+)+))?$')
+
+
 def test_printer_columns_point_at_declared_fields() -> None:
     columns = CRD["spec"]["versions"][0]["additionalPrinterColumns"]
-    assert [c["name"] for c in columns] == ["Phase", "Step", "Reward", "Prefill", "Decode", "Age"]
-    declared = {p for p, _ in walk(SCHEMA)}
+    assert [c["name"] for c in columns if not c.get("priority")] == [
+        "Phase", "Step", "Reward", "Inference", "Prefill", "Decode", "Age"]  # README's `kubectl get rlr` line
+    assert [c["name"] for c in columns if c.get("priority")] == ["Ready", "Reason", "Trainer", "Policy"]
+    assert "# NAME " + " ".join(c["name"].upper() for c in columns if not c.get("priority")) in \
+        (ROOT / "README.md").read_text()
+    nodes = dict(walk(SCHEMA))
     for column in columns:
-        path = column["jsonPath"].lstrip(".")
-        if path == "metadata.creationTimestamp":
+        match = COLUMN_PATH.match(column["jsonPath"])
+        assert match, column
+        head, key, _value, tail = match.groups()
+        if head == ".metadata.creationTimestamp":
             assert column["type"] == "date"
             continue
-        assert path in declared, column
-        node = dict(walk(SCHEMA))[path]
-        assert node["type"] == column["type"], column
+        path = head.lstrip(".") if key is None else f"{head.lstrip('.')}[]{tail}"
+        assert path in nodes, column
+        if key is not None:
+            assert f"{head.lstrip('.')}[].{key}" in nodes, column
+        assert nodes[path]["type"] == column["type"], column
+        assert column.get("description"), column
+
+
+def test_storage_size_has_no_schema_default_and_says_who_fills_it_in() -> None:
+    """A schema default would reach runs with storage.claimName (the API server defaults before CEL runs),
+    which refuse a size: the renderer fills in constants.DEFAULT_STORAGE_SIZE, and the field says so."""
+    size = SCHEMA["properties"]["spec"]["properties"]["storage"]["properties"]["size"]
+    assert "default" not in size
+    assert constants.DEFAULT_STORAGE_SIZE in size["description"] and "claimName" in size["description"]
+    defaulted = spec.apply_defaults({"spec": {"storage": {"claimName": "existing"}}})
+    assert defaulted["spec"]["storage"] == {"claimName": "existing", "mountPath": "/data"}
 
 
 def test_every_field_has_a_description() -> None:
@@ -155,6 +178,47 @@ def test_rule_reads_only_fields_present_after_defaulting_or_guarded(rule: cel.Ru
         if chain in guarded:
             continue
         assert _guaranteed(node, fields), f"{rule.rule!r}: self{chain} may be absent; guard it with has()"
+
+
+def _cel_outcome(program: Any, activation: dict[str, Any]) -> tuple[str, Any]:
+    try:
+        value = program.evaluate(activation)
+    except cel.celpy.CELEvalError as exc:
+        return "error", exc.args[0] if exc.args else None
+    return type(value).__name__, value
+
+
+def _rule_inputs(rule: cel.Rule) -> Iterator[Any]:
+    """The nodes ``rule`` is evaluated on in every example, and variants of each: every field removed, set
+    to 0, -1, 2.5, a string, true, an empty list (wrong types and missing fields give CEL errors)."""
+    for path in EXAMPLES:
+        obj = spec.apply_defaults(yaml.safe_load(path.read_text()))
+        for value, node_schema, _ in cel._nodes(obj, SCHEMA, rule.schema_path, ""):
+            yield value, node_schema
+            for key in value if isinstance(value, dict) else []:
+                yield {k: v for k, v in value.items() if k != key}, node_schema
+                for other in (0, -1, 2.5, "nccl", True, [], {"enabled": True, "replicas": 1}):
+                    yield {**value, key: other}, node_schema
+
+
+@pytest.mark.parametrize("rule", [r for r in RULES if "oldSelf" not in r.rule], ids=lambda r: r.rule[:60])
+def test_closure_programs_give_what_cel_pythons_interpreter_gives(rule: cel.Rule) -> None:
+    """cel.compile_rule translates the CRD's rules into closures for speed: on every rule, over examples and
+    broken variants of them, the result (value and type, or the error's message) is the interpreter's."""
+    fast, reference = cel.compile_rule(rule.rule), cel.compile_interpreted(rule.rule)
+    assert isinstance(fast, cel.ClosureProgram)  # every rule of the CRD is covered, none falls back
+    count = 0
+    for value, node_schema in _rule_inputs(rule):
+        activation = {"self": cel.to_cel(value, node_schema)}
+        assert _cel_outcome(fast, activation) == _cel_outcome(reference, activation), value
+        count += 1
+    assert count >= 10
+
+
+def test_rule_outside_the_closure_subset_runs_on_the_interpreter() -> None:
+    program = cel.compile_rule("self.all(x, x > 0)")
+    assert not isinstance(program, cel.ClosureProgram)
+    assert bool(program.evaluate({"self": cel.to_cel([1, 2], {"type": "array", "items": {"type": "integer"}})}))
 
 
 def test_rule_catches_a_bad_cel_expression() -> None:

@@ -6,7 +6,38 @@ import pytest
 
 from rlrun_api import constants
 from rlrun_operator.config import OperatorConfig
-from rlrun_operator.reconcile import RunState, StatusChange, plan_after_refresh
+from rlrun_operator.reconcile import RunState, StatusChange, get_invalid, plan_after_refresh
+
+
+def stored_run(storage: dict, uid: str = "u-1", generation: int = 1) -> dict:
+    """A minimal RLRun as the API server stores it (uid, generation), with ``storage`` as its spec.storage."""
+    return {"apiVersion": constants.API_VERSION, "kind": constants.KIND,
+            "metadata": {"name": "r", "namespace": "n", "uid": uid, "generation": generation},
+            "spec": {"model": {"name": constants.TINY_MODEL_NAME},
+                     "environment": {"type": "builtin", "name": constants.BUILTIN_ENVIRONMENTS[0]},
+                     "storage": storage}}
+
+
+def test_a_claim_name_run_stored_with_the_former_size_default_stays_valid():
+    """Stored under the CRD that defaulted storage.size, a claimName run carries size 100Gi that its user
+    never wrote: the operator must not turn it InvalidSpec after the upgrade; any other size is refused."""
+    assert get_invalid(stored_run({"claimName": "data", "size": constants.DEFAULT_STORAGE_SIZE})) == []
+    [error] = get_invalid(stored_run({"claimName": "data", "size": "10Gi"}, uid="u-2"))
+    assert error.startswith("spec.storage.size: ") and "drop it when storage.claimName" in error
+    assert get_invalid(stored_run({"size": "10Gi"}, uid="u-3")) == []
+
+
+def test_validation_is_remembered_per_uid_and_generation_only():
+    run_1 = stored_run({"claimName": "data", "size": "10Gi"}, uid="u-4")
+    assert get_invalid(run_1) != []
+    fixed = stored_run({"claimName": "data"}, uid="u-4", generation=2)  # the spec change bumps generation
+    assert get_invalid(fixed) == []
+    other = stored_run({"claimName": "data", "size": "10Gi"}, uid="u-5")  # another run, same spec
+    assert get_invalid(other) == get_invalid(run_1) != []
+    no_uid = stored_run({"claimName": "data"}, uid=None)
+    assert get_invalid(no_uid) == []
+    no_uid["spec"]["storage"]["size"] = "1Gi"
+    assert get_invalid(no_uid) != []  # without uid nothing is remembered
 
 
 def run(generation: int) -> dict:

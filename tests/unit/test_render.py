@@ -9,15 +9,7 @@ the renderer what the API server would accept.
 from __future__ import annotations
 
 import copy
-import http.server
 import re
-import socket
-import subprocess
-import sys
-import threading
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +66,7 @@ def variant(name: str, **patch: Any) -> dict[str, Any]:
 def variants() -> dict[str, dict[str, Any]]:
     """Every RLRun the renderer must handle: the examples plus disaggregation on/off, suspend, claimName."""
     complete_claim = load_example("complete")
-    del complete_claim["spec"]["storage"]["storageClassName"]
+    del complete_claim["spec"]["storage"]["storageClassName"], complete_claim["spec"]["storage"]["size"]
     complete_claim["spec"]["storage"]["claimName"] = "shared-weights"
     no_uid = load_example("minimal", uid=None)
     return {
@@ -178,6 +170,25 @@ def test_names_without_disaggregation_and_with_an_existing_claim():
     ]
     pvc = one(objects, "PersistentVolumeClaim", "qwen3-countdown-storage")
     assert pvc["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "100Gi"}}}
+
+
+def test_storage_size_is_the_renderers_default_and_never_reaches_a_claim_name_run():
+    """spec.storage.size has no CRD default (it would reach claimName runs, which refuse it): the renderer
+    fills in constants.DEFAULT_STORAGE_SIZE for the claim it creates, and the run config the roles read
+    carries it as the API server's default did (so the ConfigMap and the config hashes stay as they were)."""
+    from rlrun_api import constants
+
+    minimal = defaulted(load_example("minimal"))
+    assert "size" not in minimal["spec"]["storage"]
+    objects = render(minimal)
+    pvc = one(objects, "PersistentVolumeClaim", "qwen3-countdown-storage")
+    assert pvc["spec"]["resources"]["requests"]["storage"] == constants.DEFAULT_STORAGE_SIZE == "100Gi"
+    config = yaml.safe_load(one(objects, "ConfigMap", "qwen3-countdown-config")["data"]["rlrun.yaml"])
+    assert config["spec"]["storage"]["size"] == "100Gi"
+    assert "size" not in minimal["spec"]["storage"]  # the input is not changed
+    claim = rendered("complete-claim")
+    config = yaml.safe_load(one(claim, "ConfigMap", "qwen3-4b-math-config")["data"]["rlrun.yaml"])
+    assert config["spec"]["storage"] == {"claimName": "shared-weights", "mountPath": "/data"}
 
 
 def test_child_names_cover_every_rendered_name_and_the_shared_suffix_constants():
@@ -529,10 +540,12 @@ def test_config_map_text_is_what_pyyaml_itself_writes(key):
     (the ConfigMap's spec hash would change with it)."""
     from rlrun_operator.render.config import get_config_document
 
+    from rlrun_operator.render.storage import get_storage_defaulted
+
     rlrun = defaulted(VARIANTS[key])
     (config_map,) = [o for o in render(rlrun) if o["kind"] == "ConfigMap"]
-    expected = yaml.dump(get_config_document(rlrun), Dumper=yaml.SafeDumper, sort_keys=True,
-                         default_flow_style=False)
+    expected = yaml.dump(get_config_document(get_storage_defaulted(rlrun)), Dumper=yaml.SafeDumper,
+                         sort_keys=True, default_flow_style=False)
     assert config_map["data"]["rlrun.yaml"] == expected
 
 
@@ -682,82 +695,3 @@ def test_property_any_valid_knob_setting_renders_valid_consistent_objects(
     assert deployments["qwen3-countdown-router"]["spec"]["replicas"] == (0 if suspend else 1)
     assert one(objects, "Job", "qwen3-countdown-orchestrator")["spec"]["suspend"] is suspend
     assert ("PersistentVolumeClaim" in {o["kind"] for o in objects}) is not claim
-
-
-# --- the router's probe paths against the real vllm-router ------------------------------------------
-
-class _Worker(http.server.BaseHTTPRequestHandler):
-    """Stands in for a vLLM server: 200 with an empty JSON object on every GET (/health included)."""
-
-    def do_GET(self):  # noqa: N802 (http.server's naming)
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", "2")
-        self.end_headers()
-        self.wfile.write(b"{}")
-
-    def log_message(self, *args):
-        pass
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=3) as reply:
-            return reply.status
-    except urllib.error.HTTPError as err:
-        return err.code
-
-
-def _wait_for(predicate, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return True
-        except OSError:
-            pass
-        time.sleep(0.2)
-    return False
-
-
-@pytest.mark.router
-@pytest.mark.timeout(90)
-def test_router_probe_paths_behave_as_rendered_with_the_real_vllm_router():
-    """Liveness (/liveness) stays 200 when the only worker dies; readiness (/readiness) turns 503."""
-    probes = one(rendered("tiny"), "Deployment", "tiny-reverse-router")["spec"]["template"]["spec"]["containers"][0]
-    live, ready = probes["livenessProbe"]["httpGet"]["path"], probes["readinessProbe"]["httpGet"]["path"]
-    worker = http.server.HTTPServer(("127.0.0.1", 0), _Worker)
-    thread = threading.Thread(target=worker.serve_forever, daemon=True)
-    thread.start()
-    port, metrics_port = _free_port(), _free_port()
-    router = subprocess.Popen(
-        [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-         "--worker-urls", f"http://127.0.0.1:{worker.server_address[1]}",
-         "--health-check-interval-secs", "1", "--health-failure-threshold", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        assert _wait_for(lambda: _status(base + ready) == 200, 40), "router never became ready"
-        assert _status(base + live) == 200
-        worker.shutdown()
-        worker.server_close()
-        assert _wait_for(lambda: _status(base + ready) == 503, 30), "readiness ignored the dead worker"
-        assert _status(base + "/health") == 503  # why /health is not the liveness check
-        assert _status(base + live) == 200
-    finally:
-        router.terminate()
-        try:
-            router.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            router.kill()
-            router.wait()
-        if thread.is_alive():
-            worker.shutdown()

@@ -112,6 +112,8 @@ CEL_CASES = [
     ("ratio-high-int", {"spec.algorithm.loss.ratioHigh": 1}, "spec.algorithm.loss.ratioHigh", "raise ratioHigh"),
     ("claim-and-class", {"spec.storage.claimName": "data", "spec.storage.storageClassName": "rwx"},
      "spec.storage", "drop it when storage.claimName"),
+    ("claim-and-size", {"spec.storage.claimName": "data", "spec.storage.size": "10Gi"},
+     "spec.storage.size", "drop it when storage.claimName"),
 ]
 
 SEMANTIC_CASES = [
@@ -156,7 +158,8 @@ def test_valid_variations_have_no_errors(tiny_rlrun) -> None:
         {**GPU_RUN, "spec.trainer.nodes": 2, "spec.trainer.parallelism": {"fsdp": 8, "cp": 2, "ep": 4}},
         {**GPU_RUN, "spec.trainer.quantization": "fp8", "spec.weightSync.transport": "nccl"},
         {**DISAGG, "spec.autoscaling.enabled": True, "spec.autoscaling.prefill": {"min": 2, "max": 2}},
-        {"spec.storage.claimName": "existing-claim"},
+        {"spec.storage.claimName": "existing-claim"},  # no schema default for storage.size gets in its way
+        {"spec.storage.claimName": "", "spec.storage.size": "10Gi"},  # an empty claimName: rlrun creates one
         {"spec.environment.type": "python", "spec.environment.name": "my_pkg.envs:Reverse"},
         {"metadata.name": "a" * 44},
         {"spec.trainer.resources": {"requests": {"cpu": "500m", "memory": "4Gi"}, "limits": {"cpu": 2, "x": "1e3"}},

@@ -20,7 +20,7 @@ from rlrun_api.constants import RESERVED_ENV_NAMES
 
 from .pod import check_pod_env
 from .router import render_router, render_router_rbac
-from .storage import get_claim_name, render_pvc
+from .storage import get_claim_name, get_storage_defaulted, render_pvc
 from .trainer import render_trainer
 
 __all__ = ["RESERVED_ENV_NAMES", "RenderError", "get_child_names", "get_config_hash", "get_inference_pools", "render"]
@@ -46,7 +46,8 @@ def render(rlrun: dict[str, Any], *, operator_namespace: str = DEFAULT_OPERATOR_
 
     Args:
         rlrun: a whole RLRun, already defaulted (spec.apply_defaults) and valid against the CRD, with
-            metadata.name and metadata.namespace set. metadata.uid, when present, gives every child an
+            metadata.name and metadata.namespace set; the renderer's own default (spec.storage.size, see
+            storage.get_storage_defaulted) is filled in here. metadata.uid, when present, gives every child an
             ownerReference (controller) to the run; when absent (``rlrun render``) none is written.
         operator_namespace: the namespace of the operator's pods, the only one whose operator pods the
             inference NetworkPolicy admits (metrics scrapes). Default constants.DEFAULT_OPERATOR_NAMESPACE
@@ -71,6 +72,7 @@ def render(rlrun: dict[str, Any], *, operator_namespace: str = DEFAULT_OPERATOR_
     if not rlrun.get("metadata", {}).get("namespace"):
         raise RenderError("metadata.namespace: missing; set the RLRun's namespace (or pass one on the command line)")
     check_pod_env(rlrun["spec"])
+    rlrun = get_storage_defaulted(rlrun)
     names = get_child_names(rlrun)
     claim_name = get_claim_name(rlrun, names["storage"])
 

@@ -17,8 +17,24 @@ def get_claim_name(rlrun: dict[str, Any], created_name: str) -> str:
     return rlrun["spec"]["storage"].get("claimName") or created_name
 
 
+def get_storage_defaulted(rlrun: dict[str, Any]) -> dict[str, Any]:
+    """``rlrun`` with spec.storage.size set to constants.DEFAULT_STORAGE_SIZE when rlrun creates the claim
+    (no claimName) and the spec leaves the size out; else ``rlrun`` itself. A shallow copy: the input is
+    not changed.
+
+    The CRD has no schema default for the size (it would reach claimName runs too, which refuse a size),
+    so the renderer fills it in; everything rendered from the spec (the PVC, the ConfigMap's document, the
+    roles' config hashes) sees the size as before, when the API server defaulted it.
+    """
+    storage = rlrun["spec"].get("storage") or {}
+    if storage.get("claimName") or "size" in storage:
+        return rlrun
+    return {**rlrun, "spec": {**rlrun["spec"], "storage": {**storage, "size": c.DEFAULT_STORAGE_SIZE}}}
+
+
 def render_pvc(rlrun: dict[str, Any], name: str) -> dict[str, Any] | None:
-    """PersistentVolumeClaim ``name`` (ReadWriteMany, spec.storage.size, storageClassName if set).
+    """PersistentVolumeClaim ``name`` (ReadWriteMany, spec.storage.size or constants.DEFAULT_STORAGE_SIZE,
+    storageClassName if set).
 
     Returns None when spec.storage.claimName names an existing claim (rlrun then creates none). The claim
     must be ReadWriteMany because the trainer, inference and orchestrator pods, on different nodes, all
@@ -29,7 +45,7 @@ def render_pvc(rlrun: dict[str, Any], name: str) -> dict[str, Any] | None:
         return None
     spec: dict[str, Any] = {
         "accessModes": ["ReadWriteMany"],
-        "resources": {"requests": {"storage": storage["size"]}},
+        "resources": {"requests": {"storage": storage.get("size") or c.DEFAULT_STORAGE_SIZE}},
     }
     if storage.get("storageClassName"):
         spec["storageClassName"] = storage["storageClassName"]
