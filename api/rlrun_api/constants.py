@@ -115,9 +115,42 @@ METRIC_POLICY_VERSION = "rlrun_orchestrator_policy_version"      # version loade
 METRIC_LAST_REWARD = "rlrun_orchestrator_last_reward"            # mean reward of the last batch
 METRIC_WEIGHT_UPDATE_IN_FLIGHT = "rlrun_orchestrator_weight_update_in_flight"  # 1 while servers are paused
 METRIC_MAX_STEPS = "rlrun_orchestrator_max_steps"
+METRIC_STALLED_ENGINES = "rlrun_orchestrator_stalled_engines"  # engines silent >= ENGINE_STALL_AFTER_S
+ENGINE_STALL_AFTER_S = 10.0  # an engine that has not answered the orchestrator this long is reported stalled
+METRIC_ENGINES_OUT_OF_SERVICE = "rlrun_orchestrator_engines_out_of_service"  # left paused by a failed update
+# Completions vLLM cut at max_tokens (finish_reason "length"), whatever spec.algorithm.truncation does with them.
+METRIC_TRUNCATED_ROLLOUTS = "rlrun_orchestrator_truncated_rollouts"           # counter (exposed with _total)
+# Prompts skipped before any request because they leave no room under model.maxModelLen; label reason.
+METRIC_DROPPED_PROMPTS = "rlrun_orchestrator_dropped_prompts"                 # counter {reason="too_long"}
+METRIC_SCORER_ERRORS = "rlrun_orchestrator_scorer_errors"                     # counter: env.score raised
+# Consecutive batches without a trainable sample (spec.algorithm.maxEmptyBatches ends the run at that many).
+METRIC_EMPTY_BATCH_STREAK = "rlrun_orchestrator_empty_batch_streak"           # gauge
+# What the autoscaler reads from the orchestrator (operator/rlrun_operator/autoscale.py). Counters are
+# exposed with _total; a 15 s scrape misses sub-second pauses, hence a counter and the last resume's time.
+METRIC_WEIGHT_UPDATES = "rlrun_orchestrator_weight_updates"                   # counter: finished weight updates
+METRIC_LAST_RESUME_TIME = "rlrun_orchestrator_last_resume_timestamp_seconds"  # gauge: unix time of the last resume
+METRIC_TRAINER_WAIT_SECONDS = "rlrun_orchestrator_trainer_wait_seconds"       # counter: trainer waited for data
+METRIC_GATE_WAIT_SECONDS = "rlrun_orchestrator_gate_wait_seconds"             # counter: generation held by the async gate
 # vLLM's queue depth, scraped from every inference pod by the autoscaler
 VLLM_METRIC_WAITING = "vllm:num_requests_waiting"
 VLLM_METRIC_RUNNING = "vllm:num_requests_running"
+# Waiting requests by reason {reason="capacity"|"deferred"}; on a decode server "deferred" counts requests
+# whose KV is still arriving from prefill (not decode load): the autoscaler reads decode's queue as capacity.
+VLLM_METRIC_WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+VLLM_WAITING_REASON_CAPACITY = "capacity"
+VLLM_METRIC_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"                       # 0..1
+
+# --- Algorithm defaults applied by the views (no CRD schema default: see OrchestratorView) --------
+DEFAULT_MAX_EMPTY_BATCHES = 3      # spec.algorithm.maxEmptyBatches: consecutive empty batches that fail the run
+TRUNCATION_KEEP = "keep"           # spec.algorithm.truncation values (docs/orchestrator.md, "Truncation")
+TRUNCATION_ZERO_REWARD = "zeroReward"
+TRUNCATION_MASK = "mask"
+TRUNCATION_POLICIES = (TRUNCATION_KEEP, TRUNCATION_ZERO_REWARD, TRUNCATION_MASK)
+DEFAULT_TRUNCATION = TRUNCATION_KEEP
+FINISH_REASON_LENGTH = "length"    # vLLM's finish_reason of a completion cut at max_tokens
+# Where Kubernetes reads a container's termination message (the default terminationMessagePath); the
+# orchestrator writes its fatal error there when the file exists (the kubelet creates it in every container).
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 
 # --- Environments -------------------------------------------------------------------------------
 BUILTIN_ENVIRONMENTS = ("reverse-words",)  # spec.environment.name values for type: builtin

@@ -16,6 +16,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
+from rlrun_api import constants
+
 FieldPath = tuple[str, ...]
 
 # Replica seeds: the operator owns replicas after creation, so seeds never roll pods.
@@ -234,18 +236,30 @@ class OrchestratorView(SpecView):
     disaggregated: bool
     environment: Mapping[str, Any]
     weight_transport: str
+    max_empty_batches: int = constants.DEFAULT_MAX_EMPTY_BATCHES
+    truncation: str = constants.DEFAULT_TRUNCATION
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> "OrchestratorView":
-        """The view of a defaulted spec."""
+        """The view of a defaulted spec.
+
+        ``max_off_policy_steps`` is 0 when ``maxAsyncLevel`` is 0 (synchronous on-policy RL: a group left over
+        from batch n is stale at n + 1), whatever ``maxOffPolicySteps`` says. ``maxEmptyBatches`` and
+        ``truncation`` have no CRD schema default (a schema default would change every run's defaulted spec,
+        and so every pod's config hash, on upgrade): their defaults are applied here
+        (``constants.DEFAULT_MAX_EMPTY_BATCHES``, ``constants.DEFAULT_TRUNCATION``).
+        """
         view = cls.project(spec)
         alg = view["algorithm"]
         sampling = alg["sampling"]
+        max_async_level = int(alg["maxAsyncLevel"])
         return cls(
             model_name=view["model"]["name"], model_revision=view["model"].get("revision"),
             max_steps=int(alg["maxSteps"]), rollouts_per_prompt=int(alg["rolloutsPerPrompt"]),
-            batch_size=int(alg["batchSize"]), max_async_level=int(alg["maxAsyncLevel"]),
-            max_off_policy_steps=int(alg["maxOffPolicySteps"]),
+            batch_size=int(alg["batchSize"]), max_async_level=max_async_level,
+            max_off_policy_steps=int(alg["maxOffPolicySteps"]) if max_async_level > 0 else 0,
+            max_empty_batches=int(alg.get("maxEmptyBatches", constants.DEFAULT_MAX_EMPTY_BATCHES)),
+            truncation=str(alg.get("truncation", constants.DEFAULT_TRUNCATION)),
             advantage_std_normalization=bool(alg["advantageStdNormalization"]),
             temperature=float(sampling["temperature"]), top_p=float(sampling["topP"]),
             max_tokens=int(sampling["maxTokens"]), max_model_len=int(view["model"]["maxModelLen"]),
@@ -277,10 +291,17 @@ class AutoscalingView(SpecView):
     down_cooldown_s: float
     scale_up_waiting: float
     scale_down_waiting: float
+    max_replicas: int = 16
+    dry_run: bool = False
+    max_kv_cache_usage: float = 0.8
+    gated_fraction: float = 0.5
+    trainer_wait_fraction: float = 0.2
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> "AutoscalingView":
-        """The view of a defaulted spec."""
+        """The view of a defaulted spec. ``maxReplicas`` (prefill.max + decode.max), ``dryRun`` and the thresholds
+        maxKvCacheUsage, gatedFraction, trainerWaitFraction have no CRD schema default (one would change every
+        run's ConfigMap on upgrade): their defaults are applied here."""
         view = cls.project(spec)
         auto = view["autoscaling"]
         thresholds = auto["thresholds"]
@@ -291,4 +312,9 @@ class AutoscalingView(SpecView):
             scrape_interval_s=float(auto["scrapeIntervalSeconds"]), up_cooldown_s=float(auto["upCooldownSeconds"]),
             down_cooldown_s=float(auto["downCooldownSeconds"]),
             scale_up_waiting=float(thresholds["scaleUpWaiting"]),
-            scale_down_waiting=float(thresholds["scaleDownWaiting"]))
+            scale_down_waiting=float(thresholds["scaleDownWaiting"]),
+            max_replicas=int(auto.get("maxReplicas", int(auto["prefill"]["max"]) + int(auto["decode"]["max"]))),
+            dry_run=bool(auto.get("dryRun", False)),
+            max_kv_cache_usage=float(thresholds.get("maxKvCacheUsage", 0.8)),
+            gated_fraction=float(thresholds.get("gatedFraction", 0.5)),
+            trainer_wait_fraction=float(thresholds.get("trainerWaitFraction", 0.2)))

@@ -30,7 +30,8 @@ def get_run_labels(name: str) -> dict[str, str]:
 
 def get_progress(text: str) -> Progress:
     """The orchestrator's progress (constants.METRIC_STEP, METRIC_POLICY_VERSION, METRIC_LAST_REWARD,
-    METRIC_WEIGHT_UPDATE_IN_FLIGHT) from its /metrics text; absent metrics are None."""
+    METRIC_WEIGHT_UPDATE_IN_FLIGHT, METRIC_STALLED_ENGINES, METRIC_ENGINES_OUT_OF_SERVICE) from its /metrics
+    text; absent metrics are None."""
     samples = get_samples(text)
 
     def pick(name: str) -> float | None:
@@ -38,9 +39,12 @@ def get_progress(text: str) -> Progress:
 
     step, version = pick(constants.METRIC_STEP), pick(constants.METRIC_POLICY_VERSION)
     reward, flight = pick(constants.METRIC_LAST_REWARD), pick(constants.METRIC_WEIGHT_UPDATE_IN_FLIGHT)
+    stalled, paused = pick(constants.METRIC_STALLED_ENGINES), pick(constants.METRIC_ENGINES_OUT_OF_SERVICE)
     return Progress(step=None if step is None else int(step),
                     policy_version=None if version is None else int(version),
-                    last_reward=reward, weight_update_in_flight=None if flight is None else flight > 0)
+                    last_reward=reward, weight_update_in_flight=None if flight is None else flight > 0,
+                    stalled_engines=None if stalled is None else int(stalled),
+                    engines_out_of_service=None if paused is None else int(paused))
 
 
 def get_pod_targets(pods: list[dict[str, Any]]) -> tuple[str | None, dict[str, list[str]]]:

@@ -52,6 +52,8 @@ class Progress:
     policy_version: int | None = None
     last_reward: float | None = None
     weight_update_in_flight: bool | None = None
+    stalled_engines: int | None = None          # constants.METRIC_STALLED_ENGINES
+    engines_out_of_service: int | None = None   # constants.METRIC_ENGINES_OUT_OF_SERVICE
 
 
 def get_expected_roles(rlrun: dict[str, Any]) -> list[str]:
@@ -204,8 +206,16 @@ def get_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress:
         ready = ("False", "RolesNotReady", "waiting for " + ", ".join(waiting))
         progressing = ("True", "RollingOut", "waiting for " + ", ".join(waiting))
     job = find_role(workloads, "orchestrator")
+    stalled = (progress.stalled_engines or 0) if progress else 0
+    paused = (progress.engines_out_of_service or 0) if progress else 0
     if phase == PHASE_FAILED:
         degraded = ("True", "OrchestratorFailed", "the orchestrator Job failed")
+    elif phase == PHASE_RUNNING and stalled:
+        degraded = ("True", "EngineStalled", f"{stalled} inference engine(s) have not answered the orchestrator "
+                                             f"for {constants.ENGINE_STALL_AFTER_S:.0f} s or more (its log names them)")
+    elif phase == PHASE_RUNNING and paused:
+        degraded = ("True", "EngineOutOfService", f"{paused} inference engine(s) left paused by a failed weight "
+                                                  "update (its log names them)")
     elif phase == PHASE_RUNNING and not all_ready and current:
         lost = [r for r in expected if r in roles and roles[r]["ready"] < roles[r]["desired"]]
         degraded = ("True", "ReplicasUnavailable", "fewer ready replicas than desired: " + ", ".join(lost)) \

@@ -17,7 +17,9 @@ Two asyncio tasks share one process:
 Generation never stops for training: while the trainer trains step n, batch n + 1 (.. n + maxAsyncLevel)
 is generated with the loaded policy. The process exits 0 once version maxSteps is loaded on every engine
 (the Job's completion is the run's completion); it resumes from ``orchestrator/state.json`` and the
-batches already on storage after a restart.
+batches already on storage after a restart. Batches with nothing to train on end it with exit code 3 after
+``algorithm.maxEmptyBatches`` in a row (at once when every prompt was too long), naming the environment and
+the reason (:class:`NoLearningSignalError`).
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ from rlrun_api import constants
 from rlrun_api.views import OrchestratorView
 from rlrun_runtime.role import RoleConfigError, env_bind_host, env_list, env_port, env_required, load_spec
 from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
-from rlrun_runtime.rollouts import (Completion, Group, assemble_batch, get_completion_request, parse_completion_choice,
+from rlrun_runtime.rollouts import (BAD_LOGPROBS, BAD_TOKEN_IDS, Group, assemble_batch, get_choice_problem,
+                                   get_completion_request, get_empty_batch_reason, parse_completion_choice,
                                    plan_group_count)
 from rlrun_runtime.staleness import may_generate
 from rlrun_runtime.storage import RunStorage, append_jsonl, atomic_write_json, list_steps, step_name
-from rlrun_runtime.vllm_admin import EngineError, VLLMAdmin, parse_version, resolve_engines
+from rlrun_runtime.vllm_admin import HEALTH_PROBE_TIMEOUT_S, EngineError, VLLMAdmin, parse_version, resolve_engines
 from rlrun_runtime.weights import get_transport
 from rlrun_runtime.weights.update import update_engines
 
@@ -59,11 +62,54 @@ REQUEST_TIMEOUT_S = 600.0    # one completion request (queued behind a weight-up
 REQUEST_RETRIES = 3
 MAX_ROUNDS_PER_BATCH = 8     # generation rounds before a batch is written with what it has
 MAX_WEIGHT_FAILURES = 20     # consecutive failed weight-update rounds before the orchestrator gives up
+# Watchdog (docs/orchestrator.md "Stalled engines"): every engine's GET /health is probed every
+# WATCHDOG_POLL_S (HEALTH_PROBE_TIMEOUT_S each, one probe per engine at a time). An engine that has not
+# answered for STALL_AFTER_S is reported (a warning naming it and how long, the gauge METRIC_STALLED_ENGINES)
+# at most STALL_AFTER_S + WATCHDOG_POLL_S after its last answer, again every STALL_REPEAT_S while it stays
+# silent, and cleared (logged) when it answers again.
+STALL_AFTER_S = constants.ENGINE_STALL_AFTER_S  # 10 s (the operator's Degraded message names it too)
+WATCHDOG_POLL_S = 1.0
+STALL_REPEAT_S = 60.0
 SAMPLES_PER_STEP = 4         # rollouts per step written to rollout-samples.jsonl
+
+
+EXIT_NO_SIGNAL = 3          # the run cannot learn: empty batches (algorithm.maxEmptyBatches) or every prompt too long
 
 
 class OrchestratorError(RuntimeError):
     """The loop cannot continue (engines unreachable, weight updates keep failing)."""
+
+
+class NoLearningSignalError(OrchestratorError):
+    """Batches carry nothing to train on: the run would end "Succeeded" having learned nothing.
+
+    Raised for ``algorithm.maxEmptyBatches`` consecutive batches without a sample, or at once for a batch
+    whose every prompt was too long for ``model.maxModelLen``; the message names ``spec.environment`` and the
+    reason (:func:`rlrun_runtime.rollouts.get_empty_batch_reason`). Exit code ``EXIT_NO_SIGNAL``.
+    """
+
+
+def describe_environment(environment: Mapping[str, Any]) -> str:
+    """``spec.environment`` in a few words for messages: ``"builtin/reverse-words (seed 0)"``."""
+    return f"{environment.get('type')}/{environment.get('name')} (seed {environment.get('seed', 0)})"
+
+
+def write_termination_message(message: str, path: str = constants.TERMINATION_MESSAGE_PATH) -> bool:
+    """Write ``message`` where Kubernetes reads the container's termination message, if that file exists.
+
+    The kubelet creates ``terminationMessagePath`` (default ``/dev/termination-log``) in every container and
+    copies what the process wrote there (at most 4096 bytes) into the pod's
+    ``status.containerStatuses[].state.terminated.message``. Outside a pod the file does not exist and nothing
+    is written. Returns True when written.
+    """
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(message.encode("utf-8")[:4096].decode("utf-8", errors="ignore"))
+    except OSError:
+        return False
+    return True
 
 
 def render_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]]) -> tuple[list[int], str]:
@@ -97,6 +143,16 @@ def get_resume_point(state: Mapping[str, Any] | None, last_batch: Mapping[str, A
     return step, cursor
 
 
+def get_resume_empty_streak(state: Mapping[str, Any] | None, last_batch: Mapping[str, Any] | None) -> int:
+    """Consecutive empty batches just before the resume point (pure): ``empty_batch_streak`` of whichever of
+    ``orchestrator/state.json`` and the newest batch file is newer (the batch is written first); 0 when
+    neither has one (fresh start, or files written before the field existed)."""
+    state_step = int(state.get("next_step", 1)) if state else 1
+    if last_batch and int(last_batch["step"]) + 1 >= state_step:
+        return int(last_batch.get("empty_batch_streak", 0) or 0)
+    return int((state or {}).get("empty_batch_streak", 0) or 0)
+
+
 class Orchestrator:
     """The asynchronous loop of one run.
 
@@ -112,7 +168,8 @@ class Orchestrator:
 
     def __init__(self, view: OrchestratorView, storage: RunStorage, env: Any, tokenizer: Any,
                  endpoints: Sequence[str], router_url: str | None, metrics: OrchestratorMetrics,
-                 *, poll_s: float = POLL_S, health_timeout_s: float = HEALTH_TIMEOUT_S):
+                 *, poll_s: float = POLL_S, health_timeout_s: float = HEALTH_TIMEOUT_S,
+                 stall_after_s: float = STALL_AFTER_S, watchdog_poll_s: float = WATCHDOG_POLL_S):
         self.view = view
         self.storage = storage
         self.transport = get_transport(view.weight_transport, storage)
@@ -123,6 +180,10 @@ class Orchestrator:
         self.metrics = metrics
         self.poll_s = poll_s
         self.health_timeout_s = health_timeout_s
+        self.stall_after_s = stall_after_s
+        self.watchdog_poll_s = watchdog_poll_s
+        self.stalled: dict[str, float] = {}       # engine -> monotonic time of its last answer (while stalled)
+        self.out_of_service: set[str] = set()     # engines a failed update left paused (retried every round)
         self.sampling = {"temperature": view.temperature, "topP": view.top_p}
         # Choices per completions request: the whole group at once, except behind prefill/decode
         # disaggregation, where vLLM 0.32's completions handler returns only the first choice's
@@ -210,7 +271,8 @@ class Orchestrator:
         self.metrics.step.set(self.newest_published())
         engines = resolve_engines(self.endpoints)
         infos = await asyncio.gather(*(self._weight_info(url) for url in engines))
-        behind = [url for url, version in zip(engines, infos) if version != target]
+        # An engine left paused by a failed update is always updated again (that is what resumes it).
+        behind = [url for url, version in zip(engines, infos) if version != target or url in self.out_of_service]
         identity = self.transport.identity(target)
         if target > 0 and target == self.loaded_version and identity != self._loaded_identity:
             # The trainer re-published this version (it resumed from an older checkpoint): reload everywhere.
@@ -226,9 +288,14 @@ class Orchestrator:
                 self.weights_stable.clear()
                 self.metrics.weight_update_in_flight.set(1)
                 try:
-                    updates = await update_engines(behind, target, self.transport)
+                    updates = await update_engines(behind, target, self.transport,
+                                                   previous=self.loaded_version if self.loaded_version >= 0 else None)
+                except EngineError as err:
+                    self._set_out_of_service(behind, err.out_of_service)
+                    raise
                 finally:
                     self.metrics.weight_update_in_flight.set(0)
+                self._set_out_of_service(behind, ())
                 for update in updates:
                     self.metrics.weight_updates.inc()
                     self.metrics.weight_update_seconds.observe(update.latency_ms / 1000.0)
@@ -247,6 +314,76 @@ class Orchestrator:
             self.transport.retire(target)
         self.weights_stable.set()
         return True
+
+    def _set_out_of_service(self, updated: Sequence[str], left_paused: Sequence[str]) -> None:
+        """Record which of the engines just ``updated`` a failed update left paused (``left_paused``)."""
+        for url in left_paused:
+            if url not in self.out_of_service:
+                log.error("engine %s is left paused, out of service, until a later update resumes it", url)
+        back = (self.out_of_service & set(updated)) - set(left_paused)
+        for url in sorted(back):
+            log.warning("engine %s is resumed and back in service", url)
+        self.out_of_service = (self.out_of_service - set(updated)) | set(left_paused)
+        self.metrics.engines_out_of_service.set(len(self.out_of_service))
+
+    async def watchdog_loop(self) -> None:
+        """Report engines that stop answering (see ``STALL_AFTER_S``); runs until cancelled.
+
+        Every ``watchdog_poll_s`` each engine ``RLRUN_INFERENCE_ENDPOINTS`` resolves to gets a ``GET /health``
+        probe (unless its previous probe is still waiting, up to ``HEALTH_PROBE_TIMEOUT_S``). Any HTTP answer
+        counts as an answer (a dead engine's 503 is the weight loop's business); a timeout or a refused
+        connection does not. Independent of the weight loop, so a stall in the middle of a reload is
+        reported too.
+        """
+        last_answer: dict[str, float] = {}
+        last_problem: dict[str, str] = {}
+        warned: dict[str, float] = {}
+        probes: dict[str, asyncio.Task] = {}
+        client = httpx.AsyncClient(timeout=min(HEALTH_PROBE_TIMEOUT_S, max(self.stall_after_s, 0.1)))
+
+        async def probe(url: str) -> None:
+            try:
+                await client.get(f"{url}/health")
+            except httpx.HTTPError as err:
+                last_problem[url] = f"{type(err).__name__}"
+            else:
+                last_answer[url] = time.monotonic()
+
+        try:
+            while True:
+                try:
+                    engines = resolve_engines(self.endpoints)
+                except (OSError, ValueError):
+                    engines = list(last_answer)  # keep watching what we knew
+                now = time.monotonic()
+                for url in list(last_answer):
+                    if url not in engines:  # gone from the Service: nothing to watch any more
+                        last_answer.pop(url)
+                        warned.pop(url, None)
+                        self.stalled.pop(url, None)
+                for url in engines:
+                    last_answer.setdefault(url, now)
+                    if url not in probes or probes[url].done():
+                        probes[url] = asyncio.create_task(probe(url))
+                    silent = now - last_answer[url]
+                    if silent >= self.stall_after_s:
+                        if url not in warned or now - warned[url] >= STALL_REPEAT_S:
+                            warned[url] = now
+                            log.warning("engine %s has not answered for %.1f s (GET /health: %s)%s", url, silent,
+                                        last_problem.get(url, "no answer"),
+                                        "" if self.weights_stable.is_set() else "; a weight update is in flight")
+                        self.stalled[url] = last_answer[url]
+                    elif url in self.stalled:
+                        log.warning("engine %s answers again after %.1f s without an answer", url,
+                                    last_answer[url] - self.stalled.pop(url))
+                        warned.pop(url, None)
+                self.metrics.stalled_engines.set(len(self.stalled))
+                await asyncio.sleep(self.watchdog_poll_s)
+        finally:
+            for task in probes.values():
+                task.cancel()
+            await asyncio.gather(*probes.values(), return_exceptions=True)
+            await client.aclose()
 
     @property
     def weight_updates_file(self) -> Path:
@@ -297,10 +434,9 @@ class Orchestrator:
             return f"{self.router_url}/v1/completions"
         return f"{engines[next(self._round_robin) % len(engines)]}/v1/completions"
 
-    async def _complete(self, body: dict[str, Any], engines: Sequence[str]) -> list[Completion | None]:
-        """POST one completions request (retried on transport errors and 5xx); its choices in index order.
-
-        Each item is a :class:`Completion`, or None for a broken choice (see :func:`parse_completion_choice`).
+    async def _complete(self, body: dict[str, Any], engines: Sequence[str]) -> list[dict[str, Any]]:
+        """POST one completions request (retried on transport errors and 5xx); its choices in index order,
+        as the server sent them (:func:`parse_completion_choice` turns each into a completion or None).
 
         Raises:
             OrchestratorError: still failing after ``REQUEST_RETRIES`` retries, or fewer choices than ``n``.
@@ -314,7 +450,7 @@ class Orchestrator:
                     choices = sorted(response.json()["choices"], key=lambda c: int(c.get("index", 0)))
                     if len(choices) != int(body["n"]):
                         raise OrchestratorError(f"asked for n={body['n']} completions, got {len(choices)}")
-                    return [parse_completion_choice(choice) for choice in choices]
+                    return [choice if isinstance(choice, dict) else {} for choice in choices]
                 last = httpx.HTTPStatusError(f"HTTP {response.status_code}: {response.text[:200]}",
                                              request=response.request, response=response)
             except httpx.TransportError as err:
@@ -344,7 +480,11 @@ class Orchestrator:
         One completions request with ``n = rolloutsPerPrompt`` and seed s; with prefill/decode
         disaggregation, ``rolloutsPerPrompt`` requests with ``n: 1`` and seeds s + i (the same samples:
         vLLM gives choice i the seed s + i). The group is stamped with ``loaded_version`` read once no weight
-        update is in flight (``weights_stable``). Returns None when the prompt leaves no room for a completion within maxModelLen.
+        update is in flight (``weights_stable``). Broken choices (:func:`get_choice_problem`) are dropped and
+        counted in the group (``dropped_samples``: logprobs, ``dropped_bad_token_ids``); a scorer that raises
+        gives a NaN reward and is counted (``scorer_errors``); truncated completions keep their
+        ``finish_reason`` and are counted in ``METRIC_TRUNCATED_ROLLOUTS``. Returns None when the prompt
+        leaves no room for a completion within maxModelLen (counted: ``METRIC_DROPPED_PROMPTS{reason=too_long}``).
         """
         task = self.env.task(task_index)
         prompt_ids, prompt_text = render_prompt(self.tokenizer, task.prompt)
@@ -352,6 +492,7 @@ class Orchestrator:
         if max_tokens < 1:
             log.warning("task %d: prompt of %d tokens leaves no room under maxModelLen %d; skipped",
                         task_index, len(prompt_ids), self.view.max_model_len)
+            self.metrics.dropped_prompts.labels("too_long").inc()
             return None
         # Never stamp a new request while a weight update is in flight (sync_weights_once): it would carry
         # the old version but run on the new weights. Nothing else is waited for: generation overlaps training.
@@ -364,33 +505,55 @@ class Orchestrator:
         bodies = [get_completion_request(prompt_ids, self.sampling, max_tokens, version, seed=seed + first,
                                          n=per_request) for first in range(0, group_size, per_request)]
         answers = await asyncio.gather(*(self._complete(body, engines) for body in bodies))
-        results = [completion for answer in answers for completion in answer]
-        completions = [c for c in results if c is not None]
-        dropped = len(results) - len(completions)
+        choices = [choice for answer in answers for choice in answer]
+        problems = [get_choice_problem(choice) for choice in choices]
+        completions = [c for c in map(parse_completion_choice, choices) if c is not None]
+        bad_logprobs, bad_token_ids = problems.count(BAD_LOGPROBS), problems.count(BAD_TOKEN_IDS)
+        if bad_token_ids:
+            log.warning("task %d: %d of %d completions without usable token_ids dropped", task_index,
+                        bad_token_ids, len(choices))
         rewards = []
+        scorer_errors, last_error = 0, None
         for completion in completions:
             try:
                 rewards.append(float(self.env.score(task, completion.text)))
             except Exception as err:  # a broken scorer: NaN reward, dropped and counted at assembly
-                log.warning("task %d: scorer failed: %s", task_index, err)
+                scorer_errors += 1
+                last_error = f"{type(err).__name__}: {err}"
                 rewards.append(math.nan)
+        if scorer_errors:
+            log.warning("task %d: scorer failed for %d of %d completions: %s", task_index, scorer_errors,
+                        len(completions), last_error)
+            self.metrics.scorer_errors.inc(scorer_errors)
         self.metrics.rollouts.inc(len(completions))
         self.metrics.tokens.inc(sum(len(c.token_ids) for c in completions))
-        if dropped:
-            self.metrics.dropped_samples.labels("bad_logprobs").inc(dropped)
-        return Group(task_index, prompt_ids, prompt_text, version, completions, rewards, dropped)
+        if truncated := sum(c.truncated for c in completions):
+            self.metrics.truncated_rollouts.inc(truncated)
+        for reason, count in ((BAD_LOGPROBS, bad_logprobs), (BAD_TOKEN_IDS, bad_token_ids)):
+            if count:
+                self.metrics.dropped_samples.labels(reason).inc(count)
+        return Group(task_index, prompt_ids, prompt_text, version, completions, rewards, bad_logprobs,
+                     dropped_bad_token_ids=bad_token_ids, scorer_errors=scorer_errors, last_scorer_error=last_error)
 
     async def make_batch(self, step: int, cursor: int) -> tuple[dict[str, Any], int]:
-        """Generate and assemble batch ``step`` starting at task ``cursor``; returns (batch, new cursor)."""
+        """Generate and assemble batch ``step`` starting at task ``cursor``; returns (batch, new cursor).
+
+        Besides :func:`assemble_batch`'s keys the batch counts what its generation rounds saw:
+        ``generated_rollouts`` (choices received), ``dropped_bad_logprob_samples``,
+        ``dropped_bad_token_ids_samples``, ``scorer_errors`` (+ ``last_scorer_error``), ``dropped_long_prompts``
+        and ``prompts_requested`` (tasks drawn: with ``dropped_long_prompts`` equal to it, every prompt was too
+        long).
+        """
         started = time.monotonic()
         view = self.view
         candidates = list(self.leftover)
         assembled = None
-        dropped_bad = 0
+        dropped_bad = bad_token_ids = scorer_errors = generated = long_prompts = requested = 0
+        last_error: str | None = None
         for round_index in range(MAX_ROUNDS_PER_BATCH):
             assembled = assemble_batch(step, candidates, batch_size=view.batch_size,
                                        max_off_policy_steps=view.max_off_policy_steps,
-                                       std_normalize=view.advantage_std_normalization)
+                                       std_normalize=view.advantage_std_normalization, truncation=view.truncation)
             if assembled.num_samples > view.batch_size - view.rollouts_per_prompt:
                 break
             missing_groups = plan_group_count(view.batch_size - assembled.num_samples, view.rollouts_per_prompt,
@@ -400,12 +563,18 @@ class Orchestrator:
             cursor += missing_groups
             groups = await asyncio.gather(*(self.generate_group(i, engines) for i in indices))
             new = [g for g in groups if g is not None]
+            requested += len(indices)
+            long_prompts += len(groups) - len(new)
             dropped_bad += sum(g.dropped_samples for g in new)
+            bad_token_ids += sum(g.dropped_bad_token_ids for g in new)
+            scorer_errors += sum(g.scorer_errors for g in new)
+            generated += sum(len(g.completions) + g.dropped_samples + g.dropped_bad_token_ids for g in new)
+            last_error = next((g.last_scorer_error for g in reversed(new) if g.last_scorer_error), last_error)
             candidates.extend(new)
         else:
             assembled = assemble_batch(step, candidates, batch_size=view.batch_size,
                                        max_off_policy_steps=view.max_off_policy_steps,
-                                       std_normalize=view.advantage_std_normalization)
+                                       std_normalize=view.advantage_std_normalization, truncation=view.truncation)
         assert assembled is not None
         looked_at = len(assembled.used_groups) + assembled.dropped_zero_advantage_groups
         if looked_at:  # share of groups with a learning signal, smoothed over batches
@@ -414,6 +583,12 @@ class Orchestrator:
         self.leftover = assembled.leftover
         batch = assembled.batch
         batch["dropped_bad_logprob_samples"] = dropped_bad
+        batch["dropped_bad_token_ids_samples"] = bad_token_ids
+        batch["dropped_long_prompts"] = long_prompts
+        batch["prompts_requested"] = requested
+        batch["generated_rollouts"] = generated
+        batch["scorer_errors"] = scorer_errors
+        batch["last_scorer_error"] = last_error
         batch["generation_seconds"] = round(time.monotonic() - started, 3)
         batch["prompt_cursor"] = cursor
         for reason, count in (("stale", assembled.dropped_stale_groups),
@@ -423,6 +598,8 @@ class Orchestrator:
                 self.metrics.dropped_groups.labels(reason).inc(count)
         if assembled.dropped_nonfinite_rewards:
             self.metrics.dropped_samples.labels("nonfinite_reward").inc(assembled.dropped_nonfinite_rewards)
+        if assembled.dropped_truncated_samples:
+            self.metrics.dropped_samples.labels("truncated").inc(assembled.dropped_truncated_samples)
         self._write_samples(step, assembled.used_groups)
         return batch, cursor
 
@@ -434,11 +611,55 @@ class Orchestrator:
                     return
                 append_jsonl(self.storage.rollout_samples_file, {
                     "step": step, "policy_version": group.policy_version, "task_index": group.task_index,
-                    "prompt": group.prompt_text, "completion": completion.text, "reward": reward})
+                    "prompt": group.prompt_text, "completion": completion.text, "reward": reward,
+                    "finish_reason": completion.finish_reason})
                 written += 1
 
-    async def batch_loop(self, next_step: int, cursor: int) -> None:
-        """Write batches ``next_step`` .. maxSteps, each once the async gate lets it be generated."""
+    def get_empty_batch_streak(self, step: int, batch: Mapping[str, Any], streak: int) -> int:
+        """The count of consecutive batches without a sample once batch ``step`` is added (0 if it has one).
+
+        Args:
+            step: the batch's trainer step.
+            batch: the batch from :meth:`make_batch`.
+            streak: consecutive empty batches before this one.
+
+        Raises:
+            NoLearningSignalError: the batch is empty and every prompt drawn for it was too long for
+                ``model.maxModelLen``; or it is the ``maxEmptyBatches``-th empty batch in a row, or the last
+                batch of a run whose every batch was empty (``maxEmptyBatches: 0`` never fails for empty
+                batches). The message names ``spec.environment`` and the reason from the batch's counters.
+        """
+        if batch["samples"]:
+            self.metrics.empty_batch_streak.set(0)
+            return 0
+        streak += 1
+        self.metrics.empty_batch_streak.set(streak)
+        environment = describe_environment(self.view.environment)
+        requested, too_long = int(batch.get("prompts_requested") or 0), int(batch.get("dropped_long_prompts") or 0)
+        if requested and too_long == requested:
+            raise NoLearningSignalError(
+                f"batch {step_name(step)}: all {requested} prompts drawn from environment {environment} were too "
+                f"long for model.maxModelLen {self.view.max_model_len} (no room left for a completion); nothing "
+                "can be trained. Shorten the environment's prompts or raise model.maxModelLen")
+        reason = get_empty_batch_reason(batch)
+        limit = self.view.max_empty_batches
+        # A run shorter than the limit must not end "Succeeded" with nothing but empty batches either.
+        if limit and (streak >= limit or (step == self.view.max_steps and streak >= step)):
+            raise NoLearningSignalError(
+                f"{streak} consecutive batches without a trainable sample (steps {step - streak + 1}..{step}, "
+                f"algorithm.maxEmptyBatches {limit}); environment {environment}: {reason}. Fix the environment "
+                "or its scorer, or set algorithm.maxEmptyBatches: 0 to go on regardless")
+        log.warning("batch %s has no trainable sample (%d in a row, the run fails at %s): environment %s: %s",
+                    step_name(step), streak, limit or "never", environment, reason)
+        return streak
+
+    async def batch_loop(self, next_step: int, cursor: int, empty_streak: int = 0) -> None:
+        """Write batches ``next_step`` .. maxSteps, each once the async gate lets it be generated.
+
+        ``empty_streak``: consecutive empty batches just before ``next_step`` (resumed from storage, so a
+        restarted orchestrator does not start counting again). The batch that reaches
+        ``algorithm.maxEmptyBatches`` is not written (:meth:`get_empty_batch_streak` raises).
+        """
         for step in range(next_step, self.view.max_steps + 1):
             waited = time.monotonic()
             while self.loaded_version < 0 or not may_generate(step, self.loaded_version, self.view.max_async_level):
@@ -447,25 +668,36 @@ class Orchestrator:
             waited = time.monotonic() - waited
             batch, cursor = await self.make_batch(step, cursor)
             batch["gate_wait_seconds"] = round(waited, 3)  # inference idle, waiting for newer weights
+            empty_streak = self.get_empty_batch_streak(step, batch, empty_streak)
+            batch["empty_batch_streak"] = empty_streak
             atomic_write_json(self.storage.rollout_batch(step), batch)
-            atomic_write_json(self.storage.orchestrator_state, {"next_step": step + 1, "prompt_cursor": cursor})
+            atomic_write_json(self.storage.orchestrator_state, {"next_step": step + 1, "prompt_cursor": cursor,
+                                                                "empty_batch_streak": empty_streak})
             self.metrics.batch_step.set(step)
             if batch["reward_mean"] is not None:
                 self.metrics.last_reward.set(batch["reward_mean"])
-            log.info("batch %s: %d samples, reward_mean %s, policy versions %s, dropped stale/zero/small %d/%d/%d, %.2f s",
+            log.info("batch %s: %d samples, reward_mean %s, policy versions %s, dropped stale/zero/small %d/%d/%d, "
+                     "truncated %d, %.2f s",
                      step_name(step), len(batch["samples"]), batch["reward_mean"], batch["policy_versions"],
                      batch["dropped_stale_groups"], batch["dropped_zero_advantage_groups"],
-                     batch["dropped_small_groups"], batch["generation_seconds"])
+                     batch["dropped_small_groups"], batch["truncated_rollouts"], batch["generation_seconds"])
 
     # --- the whole run ------------------------------------------------------------------------------
-    def load_resume_point(self) -> tuple[int, int]:
-        """(next step, prompt cursor) from storage: see :func:`get_resume_point`."""
+    def _read_resume_files(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         state = None
         if self.storage.orchestrator_state.is_file():
             state = json.loads(self.storage.orchestrator_state.read_text(encoding="utf-8"))
         steps = list_steps(self.storage.rollouts_dir)
         last = json.loads(self.storage.rollout_batch(steps[-1]).read_text(encoding="utf-8")) if steps else None
-        return get_resume_point(state, last)
+        return state, last
+
+    def load_resume_point(self) -> tuple[int, int]:
+        """(next step, prompt cursor) from storage: see :func:`get_resume_point`."""
+        return get_resume_point(*self._read_resume_files())
+
+    def load_empty_batch_streak(self) -> int:
+        """Consecutive empty batches before the resume point: see :func:`get_resume_empty_streak`."""
+        return get_resume_empty_streak(*self._read_resume_files())
 
     async def run(self) -> int:
         """Run until version maxSteps is loaded on every engine; returns the exit code (0)."""
@@ -476,11 +708,13 @@ class Orchestrator:
                      next_step, cursor, self.view.max_steps, self.view.max_async_level,
                      self.view.max_off_policy_steps)
             weights = asyncio.create_task(self.weight_loop(), name="weights")
-            batches = asyncio.create_task(self.batch_loop(next_step, cursor), name="batches")
+            watchdog = asyncio.create_task(self.watchdog_loop(), name="watchdog")
+            batches = asyncio.create_task(self.batch_loop(next_step, cursor, self.load_empty_batch_streak()),
+                                          name="batches")
             try:
                 await asyncio.gather(batches, weights)  # the first failure of either ends the run
             finally:
-                for task in (weights, batches):
+                for task in (weights, batches, watchdog):
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await task
@@ -494,7 +728,8 @@ class Orchestrator:
 def main(argv: list[str]) -> int:
     """Parse ``--config``, read the env (see docs/runtime-contract.md) and run the loop.
 
-    Exit codes: 0 when the run is complete, 2 on bad input (spec, environment, env vars), 1 on failure.
+    Exit codes: 0 when the run is complete, 2 on bad input (spec, environment, env vars), 3 when batches
+    carry nothing to train on (:class:`NoLearningSignalError`), 1 on other failures.
     """
     parser = argparse.ArgumentParser(prog="rlrun-runtime orchestrator", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the RLRun YAML")
@@ -531,8 +766,15 @@ def main(argv: list[str]) -> int:
                                 env.get(constants.ENV_ROUTER_URL, "").strip() or None, metrics)
     try:
         return asyncio.run(orchestrator.run())
+    except NoLearningSignalError as err:
+        # One "rlrun-runtime orchestrator: ..." line: `rlrun local` prints it as the failed role's cause; in a
+        # pod the termination message carries it into the pod status (docs/orchestrator.md).
+        print(f"rlrun-runtime orchestrator: {err}", file=sys.stderr, flush=True)
+        write_termination_message(str(err))
+        return EXIT_NO_SIGNAL
     except OrchestratorError as err:
         log.error("%s", err)
+        write_termination_message(str(err))
         return 1
     finally:
         server.shutdown()

@@ -16,9 +16,17 @@ class OrchestratorMetrics:
     Gauges: ``constants.METRIC_STEP`` (newest trainer step published), ``METRIC_POLICY_VERSION`` (version
     loaded by every engine), ``METRIC_LAST_REWARD`` (mean reward of the last batch written),
     ``METRIC_WEIGHT_UPDATE_IN_FLIGHT`` (1 while engines are paused), ``METRIC_MAX_STEPS``,
+    ``METRIC_STALLED_ENGINES`` (engines silent for ``orchestrator.STALL_AFTER_S`` or more),
+    ``METRIC_ENGINES_OUT_OF_SERVICE`` (engines left paused by a failed weight update),
     ``rlrun_orchestrator_batch_step`` (last batch written).
+    ``METRIC_EMPTY_BATCH_STREAK`` (consecutive batches without a trainable sample; the run fails at
+    ``algorithm.maxEmptyBatches``).
     Counters: rollouts, generated tokens, dropped groups by reason (stale, zero_advantage, small), dropped
-    samples by reason (bad_logprobs, nonfinite_reward), weight updates and their failures.
+    samples by reason (bad_logprobs, bad_token_ids, nonfinite_reward, truncated = masked by
+    ``algorithm.truncation: mask``), ``METRIC_TRUNCATED_ROLLOUTS`` (completions with finish_reason "length",
+    whatever the truncation policy), ``METRIC_DROPPED_PROMPTS{reason="too_long"}`` (prompts leaving no room
+    under maxModelLen), ``METRIC_SCORER_ERRORS`` (env.score raised), weight updates and their failures.
+    prometheus_client exposes every counter with a ``_total`` suffix.
     Histogram: per-engine weight-update latency (pause->resume) in seconds.
     """
 
@@ -32,6 +40,11 @@ class OrchestratorMetrics:
         self.weight_update_in_flight = Gauge(constants.METRIC_WEIGHT_UPDATE_IN_FLIGHT,
                                              "1 while inference engines are paused for a weight update", registry=r)
         self.max_steps = Gauge(constants.METRIC_MAX_STEPS, "Trainer steps of the run", registry=r)
+        self.stalled_engines = Gauge(constants.METRIC_STALLED_ENGINES,
+                                     "Inference engines that have not answered /health for STALL_AFTER_S or more",
+                                     registry=r)
+        self.engines_out_of_service = Gauge(constants.METRIC_ENGINES_OUT_OF_SERVICE,
+                                            "Inference engines left paused by a failed weight update", registry=r)
         self.max_steps.set(max_steps)
         self.batch_step = Gauge("rlrun_orchestrator_batch_step", "Last batch (trainer step) written", registry=r)
         self.rollouts = Counter("rlrun_orchestrator_rollouts", "Completions received and scored", registry=r)
@@ -40,6 +53,13 @@ class OrchestratorMetrics:
                                       ["reason"], registry=r)
         self.dropped_samples = Counter("rlrun_orchestrator_dropped_samples", "Completions left out of batches",
                                        ["reason"], registry=r)
+        self.truncated_rollouts = Counter(constants.METRIC_TRUNCATED_ROLLOUTS,
+                                          "Completions cut at max_tokens (finish_reason length)", registry=r)
+        self.dropped_prompts = Counter(constants.METRIC_DROPPED_PROMPTS, "Prompts skipped before generation",
+                                       ["reason"], registry=r)
+        self.scorer_errors = Counter(constants.METRIC_SCORER_ERRORS, "Completions whose scorer raised", registry=r)
+        self.empty_batch_streak = Gauge(constants.METRIC_EMPTY_BATCH_STREAK,
+                                        "Consecutive batches without a trainable sample", registry=r)
         self.weight_updates = Counter("rlrun_orchestrator_weight_updates", "Per-engine weight updates done",
                                       registry=r)
         self.weight_update_failures = Counter("rlrun_orchestrator_weight_update_failures",

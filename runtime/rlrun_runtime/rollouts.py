@@ -1,17 +1,24 @@
 """Rollouts and batches (pure): completion requests, parsing vLLM's answers, and batch assembly.
 
 Token ids and logprobs come from vLLM's completions API (``return_token_ids: true``, ``logprobs: 0`` = the
-sampled token's logprob only) and are never re-tokenized from text. A choice whose logprobs are missing,
-``None``, NaN or infinite, or do not match its token ids one to one, is a broken sample: it is dropped and
-counted, never zeroed.
+sampled token's logprob only) and are never re-tokenized from text. A choice without ``token_ids``, with an
+empty list or with an entry that is not a non-negative int (e.g. ``null``) is a broken sample
+(``BAD_TOKEN_IDS``); so is one whose logprobs are missing, ``None``, NaN or infinite, or do not match its
+token ids one to one (``BAD_LOGPROBS``). Broken samples are dropped and counted, never zeroed or repaired.
+vLLM's ``finish_reason`` is kept per completion: ``"length"`` marks one cut at ``max_tokens``, which
+``spec.algorithm.truncation`` (``keep | zeroReward | mask``, :func:`assemble_batch`) decides about.
 
 Batch file format: docs/runtime-contract.md ("Batch file"), plus ``reward_mean`` (over every scored,
 non-stale rollout considered for the step, including zero-advantage groups; None when there was none),
 ``exact_match_rate`` (the share of those rollouts with the full reward 1.0), the
 drop counters (``dropped_zero_advantage_groups``, ``dropped_small_groups``, ``dropped_nonfinite_rewards``,
-``dropped_bad_logprob_samples``), ``generation_seconds``, ``gate_wait_seconds`` (time the batch waited for
-newer weights: inference idle) and ``prompt_cursor`` (the next task index; used to resume). A batch may hold
-fewer than ``batchSize`` samples, or none, when filtering kept removing groups (docs/orchestrator.md).
+``dropped_truncated_samples``; the orchestrator adds ``dropped_bad_logprob_samples``,
+``dropped_bad_token_ids_samples``, ``dropped_long_prompts``), ``truncated_rollouts`` (completions with
+finish_reason ``"length"`` among the groups considered), and from the orchestrator ``scorer_errors``,
+``generated_rollouts``, ``empty_batch_streak``, ``generation_seconds``, ``gate_wait_seconds`` (time the batch
+waited for newer weights: inference idle) and ``prompt_cursor`` (the next task index; used to resume). Each
+sample carries its ``finish_reason``. A batch may hold fewer than ``batchSize`` samples, or none, when
+filtering kept removing groups (docs/orchestrator.md); :func:`get_empty_batch_reason` says why it is empty.
 """
 
 from __future__ import annotations
@@ -27,13 +34,24 @@ from rlrun_runtime.staleness import is_stale
 FULL_REWARD = 1.0  # the score of a completely right answer in every built-in environment
 
 
+BAD_TOKEN_IDS = "bad_token_ids"  # reasons a choice is broken (labels of rlrun_orchestrator_dropped_samples_total)
+BAD_LOGPROBS = "bad_logprobs"
+
+
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    """One sampled completion: the server's token ids, their logprobs (temperature applied) and its text."""
+    """One sampled completion: the server's token ids, their logprobs (temperature applied), its text and
+    vLLM's ``finish_reason`` (``"stop"``, ``"length"`` = cut at ``max_tokens``; None when the server sent none)."""
 
     token_ids: list[int]
     logprobs: list[float]
     text: str
+    finish_reason: str | None = None
+
+    @property
+    def truncated(self) -> bool:
+        """True when vLLM cut the completion at ``max_tokens`` (``finish_reason == "length"``)."""
+        return self.finish_reason == constants.FINISH_REASON_LENGTH
 
 
 @dataclasses.dataclass
@@ -47,7 +65,10 @@ class Group:
         policy_version: version loaded on every engine when the requests were sent.
         completions: the valid completions (broken ones already removed).
         rewards: one reward per completion (NaN when the scorer failed).
-        dropped_samples: completions removed for missing/NaN logprobs.
+        dropped_samples: completions removed for missing/NaN logprobs (``BAD_LOGPROBS``).
+        dropped_bad_token_ids: completions removed for missing/null token ids (``BAD_TOKEN_IDS``).
+        scorer_errors: completions whose ``env.score`` raised (their reward is NaN).
+        last_scorer_error: ``"ExceptionType: message"`` of the last of those, or None.
     """
 
     task_index: int
@@ -57,6 +78,9 @@ class Group:
     completions: list[Completion]
     rewards: list[float]
     dropped_samples: int = 0
+    dropped_bad_token_ids: int = 0
+    scorer_errors: int = 0
+    last_scorer_error: str | None = None
 
 
 @dataclasses.dataclass
@@ -71,6 +95,8 @@ class AssembledBatch:
     dropped_small_groups: int
     dropped_nonfinite_rewards: int
     rewards: list[float]
+    truncated_rollouts: int = 0
+    dropped_truncated_samples: int = 0
 
     @property
     def num_samples(self) -> int:
@@ -117,25 +143,42 @@ def get_completion_request(prompt_ids: Sequence[int], sampling: Mapping[str, Any
     return body
 
 
-def parse_completion_choice(choice: Mapping[str, Any]) -> Completion | None:
-    """A :class:`Completion` from one choice of a completions response, or None when it is broken.
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
-    Broken: no generated token, missing/None/NaN/infinite logprob, or not as many logprobs as token ids.
 
-    Raises:
-        ValueError: the choice has no ``token_ids`` at all (the server ignored ``return_token_ids``;
-            a vLLM older than the one rlrun pins).
+def get_choice_problem(choice: Mapping[str, Any]) -> str | None:
+    """Why one choice of a completions response is broken, or None when it is a usable sample (pure).
+
+    Returns:
+        ``BAD_TOKEN_IDS``: ``token_ids`` missing (a server that ignored ``return_token_ids``), not a list,
+        empty, or holding an entry that is not a non-negative int (``null``, a float, a string);
+        ``BAD_LOGPROBS``: ``logprobs.token_logprobs`` missing, not a list, not one per token id, or holding
+        a ``null``, NaN or infinite value; None otherwise.
     """
     token_ids = choice.get("token_ids")
-    if token_ids is None:
-        raise ValueError("completion choice has no token_ids: the server must honour return_token_ids (vLLM >= 0.10)")
+    if not isinstance(token_ids, list) or not token_ids or not all(_is_token_id(t) for t in token_ids):
+        return BAD_TOKEN_IDS
     logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-    if not token_ids or not isinstance(logprobs, list) or len(logprobs) != len(token_ids):
+    if not isinstance(logprobs, list) or len(logprobs) != len(token_ids):
+        return BAD_LOGPROBS
+    if any(lp is None or isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp)
+           for lp in logprobs):
+        return BAD_LOGPROBS
+    return None
+
+
+def parse_completion_choice(choice: Mapping[str, Any]) -> Completion | None:
+    """A :class:`Completion` from one choice of a completions response, or None when it is broken
+    (:func:`get_choice_problem` says why; the caller drops and counts it). Never raises for a malformed
+    choice: one bad answer must not end the orchestrator."""
+    if get_choice_problem(choice) is not None:
         return None
-    if any(lp is None or not isinstance(lp, (int, float)) or not math.isfinite(lp) for lp in logprobs):
-        return None
-    return Completion(token_ids=[int(t) for t in token_ids], logprobs=[float(x) for x in logprobs],
-                      text=str(choice.get("text") or ""))
+    finish_reason = choice.get("finish_reason")
+    return Completion(token_ids=[int(t) for t in choice["token_ids"]],
+                      logprobs=[float(x) for x in choice["logprobs"]["token_logprobs"]],
+                      text=str(choice.get("text") or ""),
+                      finish_reason=str(finish_reason) if finish_reason is not None else None)
 
 
 def get_exact_match_rate(rewards: Sequence[float]) -> float | None:
@@ -172,27 +215,63 @@ def plan_group_count(missing_samples: int, group_size: int, signal_rate: float) 
     return math.ceil(missing_samples / group_size / rate - 1e-9)
 
 
+def apply_truncation_policy(rewards: Sequence[float], truncated: Sequence[bool], policy: str
+                            ) -> tuple[list[float], list[bool]]:
+    """Rewards for the group baseline and which samples go into the batch, per ``spec.algorithm.truncation``.
+
+    Args:
+        rewards: one reward per completion of a group (NaN for a failed scorer: left as it is, dropped later).
+        truncated: one flag per completion, True when vLLM cut it at ``max_tokens`` (finish_reason "length").
+        policy: ``keep`` (nothing changes), ``zeroReward`` (a truncated completion's finite reward becomes
+            0.0 before the baseline; it is trained with it) or ``mask`` (rewards unchanged, so the truncated
+            completion stays in the group baseline; it is left out of the batch: its tokens get no loss and
+            do not count in the loss normaliser).
+
+    Returns:
+        ``(rewards, trained)``: the rewards the baseline uses and, per completion, whether it may be trained.
+
+    Raises:
+        ValueError: unknown policy, or ``rewards`` and ``truncated`` of different lengths.
+    """
+    if policy not in constants.TRUNCATION_POLICIES:
+        raise ValueError(f"unknown truncation policy {policy!r}: use one of {', '.join(constants.TRUNCATION_POLICIES)}")
+    if len(rewards) != len(truncated):
+        raise ValueError(f"{len(rewards)} rewards but {len(truncated)} truncation flags")
+    out = list(rewards)
+    if policy == constants.TRUNCATION_ZERO_REWARD:
+        out = [0.0 if cut and math.isfinite(r) else r for r, cut in zip(out, truncated)]
+    trained = [not (cut and policy == constants.TRUNCATION_MASK) for cut in truncated]
+    return out, trained
+
+
 def assemble_batch(step: int, groups: Sequence[Group], *, batch_size: int, max_off_policy_steps: int,
-                   std_normalize: bool = False) -> AssembledBatch:
+                   std_normalize: bool = False, truncation: str = constants.DEFAULT_TRUNCATION) -> AssembledBatch:
     """Build batch ``step`` from ``groups`` (in order), as many whole groups as fit in ``batch_size`` samples.
 
     For each group, in order: staleness > ``max_off_policy_steps`` -> dropped (stale, see
-    :mod:`rlrun_runtime.staleness`); group-baseline advantages over its completions
+    :mod:`rlrun_runtime.staleness`); the truncation policy (:func:`apply_truncation_policy`, ``truncation``
+    per ``spec.algorithm.truncation``); group-baseline advantages over its completions
     (:func:`rlrun_runtime.advantages.group_advantages`, ``std_normalize`` per
     ``spec.algorithm.advantageStdNormalization``); samples with a non-finite reward are dropped (their
     advantage is 0 and they are outside the baseline); fewer than 2 remaining -> dropped (small);
-    every advantage 0 -> dropped (zero-advantage: no signal, and it would dilute the loss normaliser).
-    A group that would overflow ``batch_size`` stays in ``leftover`` for the next step, with the groups
-    not looked at.
+    truncated samples under ``mask`` are left out (counted, ``dropped_truncated_samples``) after they served
+    in the baseline; every advantage of the samples left 0 (or none left) -> dropped (zero-advantage: no
+    signal, and it would dilute the loss normaliser). A group whose trained samples would overflow
+    ``batch_size`` stays in ``leftover`` for the next step, with the groups not looked at.
 
     Returns:
         :class:`AssembledBatch` whose ``batch`` has the contract's keys (``step``, ``policy_versions``,
-        ``dropped_stale_groups``, ``samples``) plus ``reward_mean`` and the other drop counters.
+        ``dropped_stale_groups``, ``samples``, each sample with its ``finish_reason``) plus ``reward_mean``,
+        ``exact_match_rate``, ``truncated_rollouts`` (truncated completions of the groups looked at, not
+        stale, not left over) and the other drop counters.
+
+    Raises:
+        ValueError: unknown ``truncation``.
     """
     samples: list[dict[str, Any]] = []
     used: list[Group] = []
     leftover: list[Group] = []
-    stale = zero = small = nonfinite = 0
+    stale = zero = small = nonfinite = truncated_count = masked = 0
     rewards_seen: list[float] = []
     for position, group in enumerate(groups):
         if len(samples) >= batch_size:
@@ -201,24 +280,29 @@ def assemble_batch(step: int, groups: Sequence[Group], *, batch_size: int, max_o
         if is_stale(step, group.policy_version, max_off_policy_steps):
             stale += 1
             continue
-        rewards = list(group.rewards)
+        cut = [c.truncated for c in group.completions]
+        rewards, trainable = apply_truncation_policy(group.rewards, cut, truncation)
         bad = set(nonfinite_reward_indices(rewards))
         keep = [i for i in range(len(rewards)) if i not in bad]
         if len(keep) < 2:
             nonfinite += len(bad)
             small += 1
+            truncated_count += sum(cut)
             continue
-        if len(samples) + len(keep) > batch_size:
+        train = [i for i in keep if trainable[i]]
+        if len(samples) + len(train) > batch_size:
             leftover.append(group)
             continue
         nonfinite += len(bad)
+        truncated_count += sum(cut)
+        masked += len(keep) - len(train)
         advantages = group_advantages(rewards, len(rewards), std_normalize=std_normalize)
         rewards_seen.extend(rewards[i] for i in keep)
-        if all(advantages[i] == 0.0 for i in keep):
+        if all(advantages[i] == 0.0 for i in train):  # also when mask left nothing to train
             zero += 1
             continue
         used.append(group)
-        for i in keep:
+        for i in train:
             completion = group.completions[i]
             samples.append({
                 "prompt_ids": list(group.prompt_ids),
@@ -228,6 +312,7 @@ def assemble_batch(step: int, groups: Sequence[Group], *, batch_size: int, max_o
                 "advantage": advantages[i],
                 "policy_version": group.policy_version,
                 "group": group.task_index,
+                "finish_reason": completion.finish_reason,
             })
     batch = {
         "step": step,
@@ -236,8 +321,45 @@ def assemble_batch(step: int, groups: Sequence[Group], *, batch_size: int, max_o
         "dropped_zero_advantage_groups": zero,
         "dropped_small_groups": small,
         "dropped_nonfinite_rewards": nonfinite,
+        "dropped_truncated_samples": masked,
+        "truncated_rollouts": truncated_count,
         "reward_mean": (math.fsum(rewards_seen) / len(rewards_seen)) if rewards_seen else None,
         "exact_match_rate": get_exact_match_rate(rewards_seen),
         "samples": samples,
     }
-    return AssembledBatch(batch, leftover, used, stale, zero, small, nonfinite, rewards_seen)
+    return AssembledBatch(batch, leftover, used, stale, zero, small, nonfinite, rewards_seen, truncated_count, masked)
+
+
+def get_empty_batch_reason(batch: Mapping[str, Any]) -> str:
+    """Why a batch has no sample, in words, from its counters (pure; for the orchestrator's failure message).
+
+    Every cause with a non-zero count is named, largest count first, e.g. ``"the scorer raised for 32 of 32
+    rollouts (last: ValueError: boom); 4 groups were dropped as too small (fewer than 2 finite rewards)"``.
+    ``"no rollout was generated"`` when no counter explains it.
+    """
+    generated = int(batch.get("generated_rollouts") or 0)
+    scorer = int(batch.get("scorer_errors") or 0)
+    causes: list[tuple[int, str]] = []
+    if scorer:
+        last = batch.get("last_scorer_error")
+        causes.append((scorer, f"the scorer raised for {scorer} of {generated} rollouts"
+                               + (f" (last: {last})" if last else "")))
+    if (other := int(batch.get("dropped_nonfinite_rewards") or 0) - scorer) > 0:
+        causes.append((other, f"{other} rewards were NaN or infinite"))
+    named = (
+        ("dropped_zero_advantage_groups", "groups had zero advantage (every completion of the group got the "
+                                          "same reward: no learning signal)"),
+        ("dropped_small_groups", "groups were dropped as too small (fewer than 2 finite rewards)"),
+        ("dropped_long_prompts", "prompts were too long (no room for a completion under model.maxModelLen)"),
+        ("dropped_stale_groups", "groups were stale (staleness above maxOffPolicySteps)"),
+        ("dropped_bad_token_ids_samples", "completions had missing or null token_ids"),
+        ("dropped_bad_logprob_samples", "completions had missing, null or non-finite logprobs"),
+        ("dropped_truncated_samples", "truncated completions were masked (algorithm.truncation: mask)"),
+    )
+    for key, words in named:
+        if (count := int(batch.get(key) or 0)) > 0:
+            causes.append((count, f"{count} {words}"))
+    if not causes:
+        return "no rollout was generated"
+    causes.sort(key=lambda c: -c[0])
+    return "; ".join(text for _, text in causes)

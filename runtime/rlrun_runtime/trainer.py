@@ -111,7 +111,9 @@ def get_metrics_record(step: int, batch: dict[str, Any], loss: float, metrics: L
     ``reward_mean`` is the batch file's ``reward_mean`` when the orchestrator wrote one (the mean over every
     scored rollout, before zero-advantage groups were filtered), else the mean reward of the trained samples.
     ``exact_match_rate`` (share of those rollouts with the full reward 1.0) is copied from the batch file
-    (None when absent). The batch file's other ``dropped_*`` counters are copied as they are. ``tokens_per_second`` counts real
+    (None when absent). The batch file's other ``dropped_*`` counters are copied as they are, and so are
+    ``truncated_rollouts`` (completions cut at maxTokens) and ``scorer_errors`` (None when the batch file has
+    none). ``tokens_per_second`` counts real
     (non-padding) input tokens of all ranks over ``train_seconds`` (forward, backward and optimizer step;
     waiting and publishing excluded).
 
@@ -147,6 +149,8 @@ def get_metrics_record(step: int, batch: dict[str, Any], loss: float, metrics: L
         "train_seconds": train_seconds,
         "publish_seconds": publish_seconds,
         "dropped_stale_groups": batch.get("dropped_stale_groups", 0),
+        "truncated_rollouts": batch.get("truncated_rollouts"),
+        "scorer_errors": batch.get("scorer_errors"),
         "min_sample_policy_version": min(versions) if versions else None,
         "time": time.time(),
     }
@@ -387,7 +391,8 @@ class Trainer:
         """Forward/backward over this rank's micro-batches, clip, optimizer and scheduler step.
 
         A batch without samples (the orchestrator dropped every group) skips the optimizer step: the step
-        publishes unchanged weights as the next policy version.
+        publishes unchanged weights as the next policy version. The orchestrator fails the run after
+        ``algorithm.maxEmptyBatches`` such batches in a row (docs/orchestrator.md).
 
         Returns:
             ``(loss, metrics, grad_norm, num_tokens, num_loss_tokens, lr)`` summed over every rank; ``lr`` is

@@ -23,9 +23,13 @@ from rlrun_runtime.vllm_worker import RELOAD_METHOD
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 60.0
-DEFAULT_RETRIES = 3
+# Every admin call (pause, version, reset, resume, weight_info) answers in milliseconds on a healthy engine;
+# one call to a stalled engine gives up after (1 + DEFAULT_RETRIES) * DEFAULT_TIMEOUT_S + backoff, 90.6 s. The
+# orchestrator's watchdog reports a stalled engine long before that (orchestrator.STALL_AFTER_S).
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_RETRIES = 2
 DEFAULT_BACKOFF_S = 0.2
+HEALTH_PROBE_TIMEOUT_S = 5.0  # one GET /health (no retry)
 # A reload reads the whole checkpoint from shared storage: multi-GB models take far longer than an admin
 # call, and re-sending a reload whose first attempt timed out would run two at once. So the reload gets its
 # own, long timeout and is never retried after a read timeout (only when the connection could not be made).
@@ -33,11 +37,24 @@ RELOAD_TIMEOUT_S = 900.0
 
 
 class EngineError(RuntimeError):
-    """An admin call to one engine failed after its retries; ``engine`` is its base URL."""
+    """An admin call to one engine failed after its retries; ``engine`` is its base URL.
 
-    def __init__(self, engine: str, message: str):
+    ``out_of_service`` lists the engines this failure leaves paused on purpose or by force (a failed load
+    that could not be restored, a resume that did not go through): they must not get traffic until a later
+    update loads a version into them and resumes them.
+    """
+
+    def __init__(self, engine: str, message: str, out_of_service: tuple[str, ...] = ()):
         super().__init__(f"vLLM engine {engine}: {message}")
         self.engine = engine
+        self.out_of_service = tuple(out_of_service)
+
+
+class EngineOutOfService(EngineError):
+    """The engine is left paused (its weights are unknown, or it did not answer the resume)."""
+
+    def __init__(self, engine: str, message: str):
+        super().__init__(engine, message, out_of_service=(engine,))
 
 
 class VLLMAdmin:
@@ -88,17 +105,23 @@ class VLLMAdmin:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         raise EngineError(self.base_url, f"{last} (after {attempt + 1} attempt(s))")
 
-    async def health(self) -> bool:
-        """True when ``GET /health`` answers 200 (one attempt; False on any error)."""
+    async def health(self, timeout_s: float = HEALTH_PROBE_TIMEOUT_S) -> bool:
+        """True when ``GET /health`` answers 200 within ``timeout_s`` (one attempt; False on any error)."""
         try:
-            response = await self._client.get("/health")
+            response = await self._client.get("/health", timeout=timeout_s)
         except httpx.HTTPError:
             return False
         return response.status_code == 200
 
-    async def pause(self, mode: str = "keep") -> None:
-        """``POST /pause?mode=MODE``: keep (freeze in-flight requests), wait (drain) or abort."""
-        await self._call("POST", "/pause", params={"mode": mode})
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+        """``POST /pause?mode=MODE&clear_cache=false``: keep (freeze in-flight requests), wait (drain) or abort.
+
+        ``clear_cache`` is sent explicitly because vLLM 0.32 defaults it to true and, despite its docstring,
+        honours it for ``keep``: the engine then resets the KV cache with ``reset_running_requests=True``,
+        which preempts every running request (recomputed from scratch after resume) and fails outright on a
+        decode server waiting for remote KV (P/D). rlrun pauses with false (docs/orchestrator.md, measured).
+        """
+        await self._call("POST", "/pause", params={"mode": mode, "clear_cache": str(bool(clear_cache)).lower()})
 
     async def resume(self) -> None:
         """``POST /resume``."""

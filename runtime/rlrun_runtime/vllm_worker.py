@@ -10,12 +10,23 @@ new embedding into the tied parameter's storage but never re-processes the head,
 tensor of its own, so the prepacked copy keeps the initial weights. :meth:`rlrun_reload_weights` reloads, then
 re-runs the head's ``process_weights_after_loading`` (a no-op on GPU, a re-pack on CPU).
 
+A failed reload must not leave a broken engine behind. Measured with vLLM's own ``reload_weights``: an empty
+directory or a truncated ``model.safetensors`` fails with a clear error *after* the layerwise reload has moved
+every parameter to the meta device (``model_loader/reload/layerwise.py`` ``initialize_layerwise_reload``;
+``finalize_layerwise_reload`` never runs), and the next completion kills the engine (``_C::onednn_mm ...
+Meta tensors``, EngineDeadError). So :meth:`rlrun_reload_weights` first checks the directory's structure
+(:mod:`rlrun_runtime.weights.safetensors_check`, headers only) and refuses it untouched; if the reload still
+fails part-way it finalizes the layerwise reload (layers that received nothing get their previous tensors
+back, none stays on meta), restores the model config's path, and raises: the orchestrator then reloads the
+previous version (``rlrun_runtime.weights.update``).
+
 vLLM imports this class inside its worker processes; the orchestrator calls the method by name
 (:data:`RELOAD_METHOD`) through ``POST /collective_rpc``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 RELOAD_METHOD = "rlrun_reload_weights"
@@ -33,9 +44,23 @@ class RLRunWorkerExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 
-        self.reload_weights(weights_path=str(weights_path))  # type: ignore[attr-defined]
-        refreshed = []
+        from rlrun_runtime.weights.safetensors_check import read_checkpoint_shapes
+
+        read_checkpoint_shapes(weights_path)  # ValueError before any parameter is touched
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        model_config = self.vllm_config.model_config  # type: ignore[attr-defined]
+        saved = (model_config.model, model_config.model_weights, model_config.revision)
+        try:
+            self.reload_weights(weights_path=str(weights_path))  # type: ignore[attr-defined]
+        except Exception:
+            from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+            model_config.model, model_config.model_weights, model_config.revision = saved
+            # Nothing left on the meta device; if even this fails, the caller's restore or out-of-service handles it.
+            with contextlib.suppress(Exception), set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                finalize_layerwise_reload(model, model_config)
+            raise
+        refreshed = []
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             for name, module in model.named_modules():
                 method = getattr(module, "quant_method", None)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import json
 import threading
 import time
 
 import pytest
 
 from rlrun_runtime.storage import RunStorage
-from rlrun_runtime.vllm_admin import EngineError, VLLMAdmin, parse_version, resolve_engines
+from rlrun_runtime.vllm_admin import EngineError, EngineOutOfService, VLLMAdmin, parse_version, resolve_engines
 from rlrun_runtime.weights.filesystem import FilesystemTransport
 from rlrun_runtime.weights.update import update_engines
 from vllm_role import LOOPBACK
@@ -91,7 +92,7 @@ def test_retries_are_bounded_and_the_error_names_the_engine(scripted_server):
             with pytest.raises(EngineError, match="HTTP 503") as caught:
                 await admin.pause()
         assert caught.value.engine == url and url in str(caught.value)
-        assert handler.calls == ["/pause?mode=keep"] * 3
+        assert handler.calls == ["/pause?mode=keep&clear_cache=false"] * 3
 
     asyncio.run(body())
 
@@ -132,21 +133,6 @@ def test_unreachable_engine_fails_fast_with_its_name():
     asyncio.run(body())
 
 
-def test_failed_reload_still_resumes_and_names_the_engine(scripted_server, tmp_path):
-    handler, url = scripted_server
-    handler.script[:] = [200, 500]  # pause ok, reload fails (retries=0), then resume ok
-
-    async def body():
-        with pytest.raises(EngineError, match="/collective_rpc") as caught:
-            storage = RunStorage(tmp_path)
-            storage.weights(4).mkdir(parents=True)
-            await update_engines([url], 4, FilesystemTransport(storage), retries=0)
-        assert url in str(caught.value)
-
-    asyncio.run(body())
-    assert handler.calls == ["/pause?mode=keep", "/collective_rpc", "/resume"]
-
-
 def test_missing_weights_directory_pauses_nothing(scripted_server, tmp_path):
     handler, url = scripted_server
     with pytest.raises(ValueError, match="not a directory"):
@@ -165,3 +151,178 @@ def test_reload_that_times_out_is_never_sent_twice(scripted_server, tmp_path):
         assert handler.calls == ["/collective_rpc"]
 
     asyncio.run(body())
+
+
+# --- every step of the update failing in turn (issue 11 section 2, items 1 and 2) -------------------------
+
+PAUSE = "/pause?mode=keep&clear_cache=false"
+
+
+def write_version(storage: RunStorage, version: int, values: int = 2) -> None:
+    """A whole safetensors directory for ``version``: one F32 tensor ``w`` of ``values`` values."""
+    header = json.dumps({"w": {"dtype": "F32", "shape": [values], "data_offsets": [0, 4 * values]}}).encode()
+    storage.weights(version).mkdir(parents=True, exist_ok=True)
+    (storage.weights(version) / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header
+                                                                 + bytes(4 * values))
+
+
+class StandInEngine(http.server.BaseHTTPRequestHandler):
+    """vLLM's admin API with a pause state; ``failures`` maps a call to "500" or "timeout" (the reply is held
+    until ``release`` is set, longer than the client's timeout). A call is ``/path`` or, for a reload,
+    ``/collective_rpc:<weights_path>``; a failed pause or resume does not change the pause state."""
+
+    failures: dict[str, str] = {}
+    calls: list[str] = []
+    paused = False
+    version = "3"
+    release: threading.Event
+
+    def do_GET(self):  # noqa: N802
+        self._reply(200, {"weight_version": type(self).version} if self.path == "/weight_info"
+                    else {"is_paused": type(self).paused})
+
+    def do_POST(self):  # noqa: N802
+        cls = type(self)
+        length = int(self.headers.get("content-length") or 0)
+        payload = json.loads(self.rfile.read(length)) if length else {}
+        call = self.path.split("?")[0]
+        if call == "/collective_rpc":
+            call += ":" + payload["kwargs"]["weights_path"]
+        cls.calls.append(call)
+        failure = cls.failures.get(call)
+        if failure == "timeout":
+            cls.release.wait(30)
+        if failure is not None:
+            self._reply(500, {"error": "stand-in failure"})
+            return
+        if call == "/pause":
+            cls.paused = True
+        elif call == "/resume":
+            cls.paused = False
+        elif call == "/update_weight_version":
+            cls.version = payload["new_version"]
+        self._reply(200, {"success": True} if call == "/reset_prefix_cache" else {"status": "ok"})
+
+    def _reply(self, status, payload):
+        body = json.dumps(payload).encode()
+        try:
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:  # the client gave up (timeout)
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def stand_in():
+    release = threading.Event()
+    handler = type("Engine", (StandInEngine,), {"failures": {}, "calls": [], "paused": False, "version": "3",
+                                                 "release": release})
+    server = http.server.ThreadingHTTPServer((LOOPBACK, 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield handler, f"http://{LOOPBACK}:{server.server_address[1]}"
+    release.set()
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("failures,previous,expected_calls,out_of_service,match", [
+    # a failed pause (HTTP 500 or no answer): resume is still sent, nothing is loaded
+    ({"/pause": "500"}, 3, ["/pause", "/resume"], False, "HTTP 500"),
+    ({"/pause": "timeout"}, 3, ["/pause", "/resume"], False, "ReadTimeout"),
+    # a failed load: the previous version is loaded again and named before resume
+    ({"/collective_rpc:NEW": "500"}, 3, ["/pause", "/collective_rpc:NEW", "/collective_rpc:OLD",
+                                           "/update_weight_version", "/resume"], False, "version 3 was restored"),
+    # ... and if that fails too (or nothing is known to restore), the engine stays paused: out of service
+    ({"/collective_rpc:NEW": "500", "/collective_rpc:OLD": "500"}, 3,
+     ["/pause", "/collective_rpc:NEW", "/collective_rpc:OLD"], True, "restoring version 3 failed"),
+    ({"/collective_rpc:NEW": "500"}, None, ["/pause", "/collective_rpc:NEW"], True, "no previous version"),
+    # version, prefix-cache reset: the new weights are in, resume
+    ({"/update_weight_version": "500"}, 3, ["/pause", "/collective_rpc:NEW", "/update_weight_version", "/resume"],
+     False, "/update_weight_version"),
+    ({"/reset_prefix_cache": "timeout"}, 3, ["/pause", "/collective_rpc:NEW", "/update_weight_version",
+                                              "/reset_prefix_cache", "/resume"], False, "/reset_prefix_cache"),
+    # resume itself failing: reported out of service (it may still be paused)
+    ({"/resume": "500"}, 3, ["/pause", "/collective_rpc:NEW", "/update_weight_version", "/reset_prefix_cache",
+                             "/resume"], True, "resume failed"),
+    ({"/resume": "timeout"}, 3, ["/pause", "/collective_rpc:NEW", "/update_weight_version", "/reset_prefix_cache",
+                                 "/resume"], True, "resume failed"),
+])
+def test_every_failing_step_leaves_the_engine_resumed_or_out_of_service(stand_in, tmp_path, failures, previous,
+                                                                        expected_calls, out_of_service, match):
+    handler, url = stand_in
+    storage = RunStorage(tmp_path)
+    write_version(storage, 3)
+    write_version(storage, 4)
+    names = {"NEW": str(storage.weights(4)), "OLD": str(storage.weights(3))}
+
+    def named(call: str) -> str:
+        return call.replace(":NEW", ":" + names["NEW"]).replace(":OLD", ":" + names["OLD"])
+
+    handler.failures.update({named(call): how for call, how in failures.items()})
+    with pytest.raises(EngineError, match=match) as caught:
+        asyncio.run(update_engines([url], 4, FilesystemTransport(storage), previous=previous, timeout_s=1.0,
+                                   retries=0))
+    assert handler.calls == [named(c) for c in expected_calls]
+    assert caught.value.engine == url and url in str(caught.value)
+    if out_of_service:
+        assert isinstance(caught.value, EngineOutOfService) and caught.value.out_of_service == (url,)
+        if "/resume" not in expected_calls:
+            assert handler.paused is True  # never resumed into weights that are unknown
+    else:
+        assert not isinstance(caught.value, EngineOutOfService) and caught.value.out_of_service == ()
+        assert handler.paused is False
+    if "restored" in match:
+        assert handler.version == "3"
+
+
+def test_an_engine_left_out_of_service_is_named_among_several(stand_in, tmp_path):
+    """Two engines, one whose load and restore fail: the other is updated; the error lists the paused one."""
+    handler, url = stand_in
+    other = type("Other", (StandInEngine,), {"failures": {}, "calls": [], "paused": False, "version": "3",
+                                             "release": handler.release})
+    server = http.server.ThreadingHTTPServer((LOOPBACK, 0), other)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    other_url = f"http://{LOOPBACK}:{server.server_address[1]}"
+    try:
+        storage = RunStorage(tmp_path)
+        write_version(storage, 3)
+        write_version(storage, 4)
+        handler.failures.update({f"/collective_rpc:{storage.weights(4)}": "500",
+                                 f"/collective_rpc:{storage.weights(3)}": "500"})
+        other.failures.update({"/update_weight_version": "500"})
+        with pytest.raises(EngineError, match="2 engines failed") as caught:
+            asyncio.run(update_engines([url, other_url], 4, FilesystemTransport(storage), previous=3, retries=0))
+        assert caught.value.out_of_service == (url,)
+        assert handler.paused is True and other.paused is False
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("truncate", "truncated"),
+    ("empty", "no \\*.safetensors file"),
+    ("shape", "shape\\(s\\) differ"),
+])
+def test_a_damaged_or_mismatched_version_pauses_nothing(stand_in, tmp_path, damage, match):
+    handler, url = stand_in
+    storage = RunStorage(tmp_path)
+    write_version(storage, 3)
+    if damage == "shape":
+        write_version(storage, 4, values=3)
+    else:
+        write_version(storage, 4)
+        weights = storage.weights(4) / "model.safetensors"
+        if damage == "truncate":
+            weights.write_bytes(weights.read_bytes()[:-1])
+        else:
+            weights.unlink()
+    with pytest.raises(ValueError, match=match):
+        asyncio.run(update_engines([url], 4, FilesystemTransport(storage), previous=3))
+    assert handler.calls == [] and handler.paused is False

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from rlrun_runtime.loss import LossMetrics, policy_loss, token_logprobs
+from rlrun_runtime.loss import LossMetrics, metric_log_ratio_bound, policy_loss, token_logprobs
 from rlrun_runtime.packing import count_loss_tokens, count_on_policy_tokens, get_micro_batch, get_micro_batches
 from rlrun_api.views import TrainerView
 from rlrun_runtime.trainer import get_metrics_record, get_micro_batch_loss
@@ -66,6 +66,16 @@ def test_metrics_record_separates_on_policy_kl_and_is_null_without_on_policy_sam
     assert stale["mismatch_kl_on_policy"] is None and stale["on_policy_fraction"] == 0.0
 
 
+def test_metrics_record_copies_the_batch_files_truncation_and_failure_counters():
+    batch = {"samples": [], "reward_mean": None, "truncated_rollouts": 5, "scorer_errors": 3,
+             "dropped_truncated_samples": 2, "dropped_long_prompts": 1, "dropped_bad_token_ids_samples": 4}
+    record = get_metrics_record(2, batch, 0.0, LossMetrics(), 0.0, 1e-3, 0, 0, 0.0, 0.0, 0.0)
+    assert (record["truncated_rollouts"], record["scorer_errors"], record["dropped_truncated_samples"],
+            record["dropped_long_prompts"], record["dropped_bad_token_ids_samples"]) == (5, 3, 2, 1, 4)
+    older = get_metrics_record(2, {"samples": []}, 0.0, LossMetrics(), 0.0, 1e-3, 0, 0, 0.0, 0.0, 0.0)
+    assert older["truncated_rollouts"] is None and older["scorer_errors"] is None  # batch files from before
+
+
 def test_hand_computed_kl_penalty():
     loss, _, grad = _hand_example(kl_coef=0.1)
     # + 0.1 * 0.10653066 / 4 on the loss; + 0.1 * (r - 1) / 4 on token 1's gradient
@@ -83,6 +93,32 @@ def test_ratio_band_masks_high_and_low_and_never_nans():
     assert lt.grad[0].tolist() == pytest.approx([-0.25, 0.0, 0.0, 0.0])
     assert torch.isfinite(lt.grad).all()
     assert metrics.masked_fraction == 0.75
+
+
+def test_logged_metrics_stay_finite_when_a_log_ratio_overflows_float32():
+    """issue 11 §2.5: exp(200) is inf in float32; the token is masked, and the metrics count it as exp(20)."""
+    lt = torch.tensor([[0.0, 0.0, 0.0, 0.0]], requires_grad=True)
+    li = torch.tensor([[0.0, -math.log(9.0), -math.log(0.1), -200.0]])  # log ratios 0, log 9, log 0.1, 200
+    assert torch.isinf(torch.exp(lt.detach() - li)).any()  # the input that overflowed the metrics before
+    on_policy = torch.tensor([[False, False, False, True]])
+    loss, metrics = policy_loss(lt, li, torch.ones(1, 4), torch.ones(1, 4, dtype=torch.bool), 4, 0.125, 8.0,
+                                on_policy_mask=on_policy, total_on_policy_tokens=1)
+    loss.backward()
+    assert metric_log_ratio_bound(0.125, 8.0) == 20.0
+    clamped_k3 = math.exp(20.0) - 1.0 - 20.0
+    k3 = [0.0, 9.0 - 1.0 - math.log(9.0), 0.1 - 1.0 - math.log(0.1), clamped_k3]
+    assert metrics.ratio_mean == pytest.approx((1.0 + 9.0 + 0.1 + math.exp(20.0)) / 4, rel=1e-12)
+    assert metrics.mismatch_kl == pytest.approx(sum(k3) / 4, rel=1e-12)
+    assert metrics.mismatch_kl_on_policy == pytest.approx(clamped_k3, rel=1e-12)
+    assert all(math.isfinite(v) for v in metrics.as_tensor().tolist())
+    assert loss.item() == pytest.approx(-0.25) and torch.isfinite(lt.grad).all()  # the loss is unchanged
+    # the other direction (ratio underflows to 0) is clamped too, and a wide trust band widens the clamp
+    _, low = policy_loss(torch.tensor([[-200.0]]), torch.tensor([[0.0]]), torch.ones(1, 1),
+                         torch.ones(1, 1, dtype=torch.bool), 1)
+    assert low.mismatch_kl == pytest.approx(math.exp(-20.0) - 1.0 + 20.0) and low.ratio_mean == pytest.approx(
+        math.exp(-20.0))
+    assert metric_log_ratio_bound(1e-12, 1e12) == pytest.approx(math.log(1e12))
+    assert metric_log_ratio_bound(0.5, float("inf")) == 20.0
 
 
 def test_temperature_logprobs_match_manual_softmax():

@@ -108,6 +108,11 @@ CEL_CASES = [
      "lower min or raise max"),
     ("thresholds", {"spec.autoscaling.thresholds.scaleDownWaiting": 4}, "spec.autoscaling.thresholds.scaleDownWaiting",
      "lower scaleDownWaiting or raise scaleUpWaiting"),
+    ("autoscaling-min-sum", {"spec.autoscaling.prefill.min": 4, "spec.autoscaling.decode.min": 4,
+                             "spec.autoscaling.maxReplicas": 7}, "spec.autoscaling.maxReplicas",
+     "raise maxReplicas or lower a pool's min"),
+    ("autoscaling-budget-below-split", {**DISAGG, "spec.autoscaling.enabled": True, "spec.autoscaling.maxReplicas": 5},
+     "spec.autoscaling.maxReplicas", "raise autoscaling.maxReplicas or lower inference.disaggregation.replicas"),
     ("ratio-low", {"spec.algorithm.loss.ratioLow": 1.5}, "spec.algorithm.loss.ratioLow", "lower ratioLow"),
     ("ratio-high-int", {"spec.algorithm.loss.ratioHigh": 1}, "spec.algorithm.loss.ratioHigh", "raise ratioHigh"),
     ("claim-and-class", {"spec.storage.claimName": "data", "spec.storage.storageClassName": "rwx"},
@@ -157,7 +162,8 @@ def test_valid_variations_have_no_errors(tiny_rlrun) -> None:
         {"spec.algorithm.loss.ratioHigh": 8},  # an int in a `number` field is a CEL double, as on the server
         {**GPU_RUN, "spec.trainer.nodes": 2, "spec.trainer.parallelism": {"fsdp": 8, "cp": 2, "ep": 4}},
         {**GPU_RUN, "spec.trainer.quantization": "fp8", "spec.weightSync.transport": "nccl"},
-        {**DISAGG, "spec.autoscaling.enabled": True, "spec.autoscaling.prefill": {"min": 2, "max": 2}},
+        {**DISAGG, "spec.autoscaling.enabled": True, "spec.autoscaling.prefill": {"min": 2, "max": 2},
+         "spec.autoscaling.maxReplicas": 6, "spec.autoscaling.dryRun": True},  # a budget equal to the split
         {"spec.storage.claimName": "existing-claim"},  # no schema default for storage.size gets in its way
         {"spec.storage.claimName": "", "spec.storage.size": "10Gi"},  # an empty claimName: rlrun creates one
         {"spec.environment.type": "python", "spec.environment.name": "my_pkg.envs:Reverse"},

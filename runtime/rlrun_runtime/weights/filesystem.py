@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlrun_runtime.storage import RunStorage, atomic_directory, list_steps
+from rlrun_runtime.weights.safetensors_check import compare_shapes, read_checkpoint_shapes
 from rlrun_runtime.weights.transport import WeightTransport
 
 if TYPE_CHECKING:
@@ -35,6 +36,15 @@ class FilesystemTransport(WeightTransport):
         """``weights/step-<version>`` (what the engines load; it exists once published)."""
         return self.storage.weights(version)
 
+    def source(self, version: int) -> Path | None:
+        """The directory an engine loads for ``version``: ``weights/step-N``, or for version 0 the initial
+        model when the runtime built it on the storage (``model/``, rlrun-tiny); None when there is none
+        (version 0 of a Hugging Face id lives in each server's own cache)."""
+        if version == 0:
+            model = self.storage.model_dir
+            return model if model.is_dir() and any(model.glob("*.safetensors")) else None
+        return self.path(version)
+
     def newest_published(self) -> int:
         steps = list_steps(self.storage.weights_dir)
         return steps[-1] if steps else 0
@@ -46,13 +56,33 @@ class FilesystemTransport(WeightTransport):
             return None
         return info.st_ino, info.st_mtime_ns
 
-    def check_loadable(self, version: int) -> None:
-        if not self.path(version).is_dir():
-            raise ValueError(f"weights {self.path(version)} is not a directory on the shared storage; nothing "
-                             "was paused")
+    def check_loadable(self, version: int, serving: int | None = None) -> None:
+        """Refuse ``version`` unless its directory exists and every safetensors file in it is whole (header,
+        offsets and size: :mod:`rlrun_runtime.weights.safetensors_check`; headers only, no tensor is read),
+        and, when the version the engines serve (``serving``) has a directory, unless its tensor names and
+        shapes are exactly that version's."""
+        source = self.source(version)
+        if source is None or not source.is_dir():
+            raise ValueError(f"weights {source or self.path(version)} is not a directory on the shared storage; "
+                             "nothing was paused")
+        try:
+            shapes = read_checkpoint_shapes(source)
+        except ValueError as err:
+            raise ValueError(f"weights of version {version} are not loadable: {err}; nothing was paused") from None
+        reference = None if serving is None or serving == version else self.source(serving)
+        if reference is not None and reference.is_dir():
+            try:
+                served = read_checkpoint_shapes(reference)
+            except ValueError:
+                return  # the served version's files are damaged now; its engines hold it in memory anyway
+            compare_shapes(shapes, served, f"weights {source} do not match the served version {serving} "
+                                           f"({reference}); nothing was paused")
 
     async def load_into(self, admin: "VLLMAdmin", version: int) -> None:
-        await admin.reload_weights(str(self.path(version)))
+        source = self.source(version)
+        if source is None:
+            raise ValueError(f"version {version} has no directory on the shared storage")
+        await admin.reload_weights(str(source))
 
     def retire(self, loaded: int) -> list[int]:
         removed = [m for m in list_steps(self.storage.weights_dir) if m < loaded]

@@ -35,16 +35,21 @@ class WeightTransport(abc.ABC):
         version with other weights); None when ``version`` is not published."""
 
     @abc.abstractmethod
-    def check_loadable(self, version: int) -> None:
-        """Raise ValueError (naming what is missing) when ``version`` cannot be loaded now; called before any
-        engine is paused, so a missing version never leaves an engine paused."""
+    def check_loadable(self, version: int, serving: int | None = None) -> None:
+        """Raise ValueError (naming what is wrong) when ``version`` cannot be loaded now: missing, damaged,
+        or (when ``serving``, the version the engines hold, is known) not the same tensors as ``serving``.
+        Called before any engine is paused, so bad weights never leave an engine paused or broken."""
 
     @abc.abstractmethod
     async def load_into(self, admin: "VLLMAdmin", version: int) -> None:
         """Make the (paused) engine behind ``admin`` hold the weights of ``version``.
 
+        Also used to *restore* the served version after a failed load (the update sequence calls
+        ``check_loadable(previous)`` first); a transport that cannot resend an older version raises.
+
         Raises:
             EngineError: the engine refused or failed the load.
+            ValueError: this transport has nothing to load for ``version``.
         """
 
     @abc.abstractmethod

@@ -1,25 +1,38 @@
 """The weight update every engine goes through, whatever the transport (docs/runtime-contract.md):
 
-``POST /pause?mode=keep`` -> the transport's load (``WeightTransport.load_into``) ->
+``POST /pause?mode=keep&clear_cache=false`` -> the transport's load (``WeightTransport.load_into``) ->
 ``POST /update_weight_version`` (what ``GET /weight_info`` then reports) -> ``POST /reset_prefix_cache`` ->
 ``POST /resume`` -> ``GET /weight_info`` must name the new version.
 
-Resume always runs, even when a step before it failed. vLLM refuses the prefix-cache reset while requests
-hold KV blocks (HTTP 200 with ``success: false``), which is expected after a ``keep`` pause; requests carry
-``cache_salt = "policy-<version>"`` so that KV computed with older weights is never reused anyway. This is
-the one module that orders these calls; the P/D ordering and the hardening of a failed pause or load belong
-here too.
+This is the one module that orders these calls. What each failure leaves behind:
+
+- the version is checked (``WeightTransport.check_loadable``: present, every file whole, the served
+  version's tensor names and shapes) before any engine is paused: bad weights pause nothing;
+- pause, version or prefix-cache reset failing (HTTP error, timeout): resume is still sent, the engine
+  serves the weights it holds (the previous ones when the load never ran);
+- the load failing after the pause: the previous version is loaded again (*restored*) and named, then
+  resume; vLLM's in-place reload leaves parameters on the meta device when it fails part-way, and a resume
+  into that state kills the engine on its next request. If the restore fails too (or there is no previous
+  version to restore) the engine is **not** resumed: :class:`EngineOutOfService`, it stays paused until a
+  later update loads a version into it;
+- resume failing: :class:`EngineOutOfService` (it may still be paused).
+
+vLLM refuses the prefix-cache reset while requests hold KV blocks (HTTP 200 with ``success: false``), which
+is expected after a ``keep`` pause; requests carry ``cache_salt = "policy-<version>"`` so that KV computed
+with older weights is never reused anyway.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
 from typing import Sequence
 
-from rlrun_runtime.vllm_admin import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, EngineError, VLLMAdmin, parse_version
+from rlrun_runtime.vllm_admin import (DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, EngineError, EngineOutOfService, VLLMAdmin,
+                                      parse_version)
 from rlrun_runtime.weights.transport import WeightTransport
 
 log = logging.getLogger(__name__)
@@ -40,21 +53,67 @@ class EngineUpdate:
     reported_version: int | None = None
 
 
-async def update_engine(admin: VLLMAdmin, version: int, transport: WeightTransport) -> EngineUpdate:
+async def _restore(admin: VLLMAdmin, transport: WeightTransport, previous: int | None) -> str | None:
+    """Load ``previous`` back into the paused engine and name it; None when done, else why not."""
+    if previous is None:
+        return "no previous version is known"
+    try:
+        transport.check_loadable(previous)
+        await transport.load_into(admin, previous)
+    except (EngineError, ValueError) as err:
+        return f"restoring version {previous} failed: {err}"
+    with contextlib.suppress(EngineError):  # the weights are right; a wrong name only makes it look behind
+        await admin.update_weight_version(previous)
+    return None
+
+
+async def update_engine(admin: VLLMAdmin, version: int, transport: WeightTransport,
+                        previous: int | None = None) -> EngineUpdate:
     """pause(keep) -> load -> set version -> reset prefix cache -> resume on one engine, then check it.
 
-    Resume runs in a ``finally``; an error in any step is raised (as :class:`EngineError`) after it.
-    Afterwards ``GET /weight_info`` must report ``version`` (EngineError otherwise); its answer is
-    returned as ``reported_version``. The latency covers pause to resume only.
+    ``previous`` is the version the engine serves (restored when the load fails; see the module
+    docstring). After the resume ``GET /weight_info`` must report ``version``; its answer is returned as
+    ``reported_version``. The latency covers pause to resume only.
+
+    Raises:
+        EngineError: a step failed; the engine was resumed and serves its previous weights.
+        EngineOutOfService: the engine is left paused (load and restore failed, or resume failed).
     """
     start = time.perf_counter()
-    await admin.pause("keep")
+    failure: EngineError | None = None
+    reset = False
     try:
-        await transport.load_into(admin, version)
-        await admin.update_weight_version(version)
-        reset = await admin.reset_prefix_cache()
-    finally:
+        await admin.pause("keep")
+        try:
+            await transport.load_into(admin, version)
+        except (EngineError, ValueError) as err:
+            not_restored = await _restore(admin, transport, previous)
+            if not_restored is not None:
+                raise EngineOutOfService(admin.base_url, (
+                    f"loading version {version} failed ({err}); {not_restored}: left paused (out of service) "
+                    "until a later update loads a version")) from err
+            log.warning("engine %s: loading version %d failed, version %s restored before resume: %s",
+                        admin.base_url, version, previous, err)
+            failure = EngineError(admin.base_url, f"loading version {version} failed ({err}); version "
+                                                  f"{previous} was restored and the engine resumed")
+        else:
+            await admin.update_weight_version(version)
+            reset = await admin.reset_prefix_cache()
+    except EngineOutOfService:
+        raise
+    except EngineError as err:  # pause, version or reset: the engine holds valid weights, resume it
+        failure = err
+    except BaseException:  # cancelled mid-update: do not leave the engine paused behind us
+        with contextlib.suppress(Exception):
+            await admin.resume()
+        raise
+    try:
         await admin.resume()
+    except EngineError as err:
+        raise EngineOutOfService(admin.base_url, f"resume failed, the engine may be left paused: {err}"
+                                 + (f" (after: {failure})" if failure else "")) from failure or err
+    if failure is not None:
+        raise failure
     latency_ms = (time.perf_counter() - start) * 1000.0
     reported = parse_version(await admin.weight_info())
     if reported != version:
@@ -66,19 +125,23 @@ async def update_engine(admin: VLLMAdmin, version: int, transport: WeightTranspo
 
 
 async def update_engines(engines: Sequence[str], version: int, transport: WeightTransport, *,
-                         timeout_s: float = DEFAULT_TIMEOUT_S, retries: int = DEFAULT_RETRIES) -> list[EngineUpdate]:
+                         previous: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                         retries: int = DEFAULT_RETRIES) -> list[EngineUpdate]:
     """:func:`update_engine` on each base URL in ``engines`` concurrently.
 
+    ``previous``: the version the engines serve (None: unknown); its tensors are the reference of the
+    check and what a failed load restores.
+
     Raises:
-        ValueError: ``transport.check_loadable(version)`` refused (checked before any engine is paused).
+        ValueError: ``transport.check_loadable(version, previous)`` refused (before any engine is paused).
         EngineError: one or more engines failed (every other engine is still updated and resumed); the
-            message names them.
+            message names them, ``out_of_service`` lists those left paused.
     """
-    transport.check_loadable(version)
+    transport.check_loadable(version, previous)
 
     async def one(url: str) -> EngineUpdate:
         async with VLLMAdmin(url, timeout_s=timeout_s, retries=retries) as admin:
-            return await update_engine(admin, version, transport)
+            return await update_engine(admin, version, transport, previous)
 
     results = await asyncio.gather(*(one(url) for url in engines), return_exceptions=True)
     failures = [r for r in results if isinstance(r, BaseException)]
@@ -89,6 +152,6 @@ async def update_engines(engines: Sequence[str], version: int, transport: Weight
         if len(failures) == 1:
             raise failures[0]
         raise EngineError(", ".join(getattr(f, "engine", "?") for f in failures),
-                          f"{len(failures)} engines failed: " + "; ".join(str(f) for f in failures))
+                          f"{len(failures)} engines failed: " + "; ".join(str(f) for f in failures),
+                          out_of_service=tuple(u for f in failures for u in getattr(f, "out_of_service", ())))
     return [r for r in results if isinstance(r, EngineUpdate)]
-

