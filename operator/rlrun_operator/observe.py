@@ -64,6 +64,28 @@ def get_pod_targets(pods: list[dict[str, Any]]) -> tuple[str | None, dict[str, l
     return orchestrator, pools
 
 
+def get_orchestrator_failure(pods: list[dict[str, Any]]) -> str | None:
+    """The termination message of the orchestrator's most recent failed container (pure), or None.
+
+    The orchestrator writes why it gave up (e.g. "3 consecutive batches without a trainable sample ...;
+    environment builtin/reverse-words ...") to ``/dev/termination-log`` (constants.TERMINATION_MESSAGE_PATH);
+    the kubelet copies it into ``status.containerStatuses[].state.terminated.message`` (or
+    ``lastState.terminated`` once the container restarted). Of several pods, the latest ``finishedAt`` wins.
+    """
+    found: list[tuple[str, str]] = []
+    for pod in pods:
+        labels = pod.get("metadata", {}).get("labels") or {}
+        if labels.get(constants.LABEL_COMPONENT) != constants.COMPONENT_ORCHESTRATOR:
+            continue
+        for container in (pod.get("status") or {}).get("containerStatuses") or []:
+            for key in ("state", "lastState"):
+                terminated = (container.get(key) or {}).get("terminated") or {}
+                message = str(terminated.get("message") or "").strip()
+                if message and terminated.get("exitCode", 0) != 0:
+                    found.append((str(terminated.get("finishedAt") or ""), message))
+    return max(found)[1] if found else None
+
+
 # The run's other child kinds (what the drift check lists besides the workloads).
 OTHER_CHILD_KINDS = ("ConfigMap", "PersistentVolumeClaim", "ServiceAccount", "Role", "RoleBinding", "Service",
                      "NetworkPolicy")

@@ -244,12 +244,14 @@ class StatusChange:
 
 def plan_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress: status.Progress | None,
                 reconciled_generation: int | None, invalid: list[str], now: Callable[[], str] = get_now,
-                others: list[dict[str, Any]] | None = None) -> StatusChange:
+                others: list[dict[str, Any]] | None = None, failure: str | None = None) -> StatusChange:
     """Wanted status vs the current one (pure apart from the clock, which only matters when something
     changed). ``others``: the run's non-workload children as listed (observe.read_children); when given,
-    the drift check covers every rendered (kind, name), else only the workloads."""
+    the drift check covers every rendered (kind, name), else only the workloads. ``failure``: the
+    orchestrator's last termination message (observe.get_orchestrator_failure)."""
     defaulted = get_defaulted(rlrun)
-    wanted = status.get_status(defaulted, workloads, progress, now(), reconciled_generation, invalid)
+    wanted = status.get_status(defaulted, workloads, progress, now(), reconciled_generation, invalid,
+                               failure=failure)
     old = rlrun.get("status") or {}
     drifted = bool(workloads) and not invalid and wanted["phase"] not in status.TERMINAL_PHASES
     missing: tuple[str, ...] = ()
@@ -318,4 +320,5 @@ async def refresh_run(api: KubeApi, session: aiohttp.ClientSession, rlrun: dict[
         raise
     progress, depth = await observe.read_progress(session, pods)
     metrics.set_run_progress(meta["namespace"], meta["name"], progress, depth)
-    return plan_status(rlrun, workloads, progress, reconciled_generation, invalid, others=others)
+    return plan_status(rlrun, workloads, progress, reconciled_generation, invalid, others=others,
+                       failure=observe.get_orchestrator_failure(pods))

@@ -154,7 +154,8 @@ def get_conditions(old: list[dict[str, Any]], new: list[tuple[str, str, str, str
 
 
 def get_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress: Progress | None, now: str,
-               reconciled_generation: int | None, invalid: list[str] | None = None) -> dict[str, Any]:
+               reconciled_generation: int | None, invalid: list[str] | None = None,
+               failure: str | None = None) -> dict[str, Any]:
     """The RLRun status the operator wants (pure; compare with the old one via get_status_patch).
 
     Args:
@@ -166,6 +167,8 @@ def get_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress:
         now: RFC 3339 timestamp, e.g. "2026-01-01T00:00:00Z".
         reconciled_generation: metadata.generation of the spec last applied to the children, or None.
         invalid: "path: message" lines when the spec fails validation (Ready=False reason InvalidSpec).
+        failure: the orchestrator's last termination message (why it exited non-zero), shown in the
+            Degraded condition of a failed or restarted orchestrator.
 
     Returns:
         dict with the OWNED_KEYS that have a value.
@@ -209,7 +212,7 @@ def get_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress:
     stalled = (progress.stalled_engines or 0) if progress else 0
     paused = (progress.engines_out_of_service or 0) if progress else 0
     if phase == PHASE_FAILED:
-        degraded = ("True", "OrchestratorFailed", "the orchestrator Job failed")
+        degraded = ("True", "OrchestratorFailed", "the orchestrator Job failed" + (f": {failure}" if failure else ""))
     elif phase == PHASE_RUNNING and stalled:
         degraded = ("True", "EngineStalled", f"{stalled} inference engine(s) have not answered the orchestrator "
                                              f"for {constants.ENGINE_STALL_AFTER_S:.0f} s or more (its log names them)")
@@ -221,7 +224,8 @@ def get_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress:
         degraded = ("True", "ReplicasUnavailable", "fewer ready replicas than desired: " + ", ".join(lost)) \
             if lost else ("False", "AsExpected", "")
     elif job is not None and int((job.get("status") or {}).get("failed", 0) or 0) > 0 and phase not in TERMINAL_PHASES:
-        degraded = ("True", "OrchestratorRestarted", f"orchestrator pods failed {job['status']['failed']} time(s)")
+        degraded = ("True", "OrchestratorRestarted", f"orchestrator pods failed {job['status']['failed']} time(s)"
+                    + (f"; last: {failure}" if failure else ""))
     else:
         degraded = ("False", "AsExpected", "")
     conditions = get_conditions(old.get("conditions") or [], [

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from rlrun_api import constants
 from rlrun_operator.apply import get_spec_hash, plan_child, plan_prune
-from rlrun_operator.observe import get_pod_targets, get_progress
+from rlrun_operator.observe import get_orchestrator_failure, get_pod_targets, get_progress
 from rlrun_operator.render import render
 from rlrun_api.spec import apply_defaults
 from rlrun_operator.status import Progress, get_status, get_status_patch
@@ -127,6 +127,35 @@ def test_job_completion_decides_success_or_failure(job_status: dict, phase: str,
     assert (status["step"], status["lastReward"]) == (40, 0.9)  # kept: the orchestrator pod is gone
     assert cond(status, "Ready")["reason"] == reason
     assert cond(status, "Degraded")["status"] == ("True" if phase == "Failed" else "False")
+
+
+def orchestrator_pod(name: str, **terminated: Any) -> dict[str, Any]:
+    """An orchestrator pod (as the kubelet reports it) whose container restarted after ``terminated``."""
+    return {"metadata": {"name": name, "labels": {constants.LABEL_COMPONENT: constants.COMPONENT_ORCHESTRATOR}},
+            "status": {"phase": "Failed", "containerStatuses": [{"name": "orchestrator",
+                                                                  "lastState": {"terminated": terminated}}]}}
+
+
+def test_a_failed_orchestrators_termination_message_reaches_the_degraded_condition() -> None:
+    why = ("3 consecutive batches without a trainable sample (steps 1..3, algorithm.maxEmptyBatches 3); "
+           "environment python/bad:env (seed 0): the scorer raised for 64 of 64 rollouts")
+    pods = [orchestrator_pod("a", exitCode=3, message="older", finishedAt="2026-12-01T10:00:00Z"),
+            orchestrator_pod("b", exitCode=3, message=why, finishedAt="2026-12-01T10:05:00Z"),
+            orchestrator_pod("c", exitCode=0, message="clean exit", finishedAt="2026-12-01T10:09:00Z"),
+            {"metadata": {"labels": {constants.LABEL_COMPONENT: "trainer"}},
+             "status": {"containerStatuses": [{"state": {"terminated": {"exitCode": 1, "message": "not ours",
+                                                                        "finishedAt": "2026-12-01T11:00:00Z"}}}]}}]
+    assert get_orchestrator_failure(pods) == why
+    assert get_orchestrator_failure(pods[2:]) is None
+    run = make_run()
+    failed = {"failed": 4, "conditions": [{"type": "Failed", "status": "True"}]}
+    status = get_status(run, workloads(run, ready=True, job=failed), None, LATER, reconciled_generation=1,
+                        failure=why)
+    assert cond(status, "Degraded")["reason"] == "OrchestratorFailed"
+    assert cond(status, "Degraded")["message"] == f"the orchestrator Job failed: {why}"
+    restarted = get_status(run, workloads(run, ready=True, job={"failed": 1, "active": 1}), None, LATER,
+                           reconciled_generation=1, failure=why)
+    assert why in cond(restarted, "Degraded")["message"]
 
 
 def test_suspended_and_invalid_spec() -> None:
