@@ -83,8 +83,13 @@ def run_local(path: Path, out_dir: Path, *extra: str, timeout: float = 850) -> s
                           capture_output=True, text=True, timeout=timeout)
 
 
+# Seeds of the learning test. The suite runs two (about 3.5 minutes each on 2 cores) to stay under 30
+# minutes; RLRUN_E2E_SEEDS=0,1,2 runs the three of the benchmark (benchmarks/README.md records them).
+E2E_SEEDS = [int(s) for s in os.environ.get("RLRUN_E2E_SEEDS", "0,1").split(",") if s.strip()]
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", E2E_SEEDS)
 def test_embedded_default_learns(seed: int, tmp_path: Path) -> None:
     """Reward rises (last fifth vs first fifth), exact reversals appear, vLLM serves every step's weights."""
     path = write_run(tmp_path, **{"environment.seed": seed})
