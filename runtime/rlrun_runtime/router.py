@@ -23,7 +23,6 @@ from rlrun_runtime.role import RoleConfigError, env_bind_host, env_list, env_por
 from rlrun_runtime.role_exec import exec_server
 
 ROUTER_MODULE = "vllm_router.launch_router"
-DISCOVERY_MODES = ("kubernetes", "static")
 # vllm-router waits for static workers to report healthy, polling every 30 s by default; vLLM on CPU is
 # ready in ~40 s, so a 30 s poll would add up to 30 s to every local start.
 WORKER_STARTUP_CHECK_INTERVAL_S = 1
@@ -65,8 +64,8 @@ def get_router_args(spec: Mapping[str, Any], env: Mapping[str, str]) -> list[str
     ]
     if disaggregated:
         args.append("--vllm-pd-disaggregation")
-    discovery = env.get(constants.ENV_ROUTER_DISCOVERY, "").strip() or "kubernetes"
-    if discovery == "kubernetes":
+    discovery = env.get(constants.ENV_ROUTER_DISCOVERY, "").strip() or constants.ROUTER_DISCOVERY_KUBERNETES
+    if discovery == constants.ROUTER_DISCOVERY_KUBERNETES:
         run_name = env_required(env, constants.ENV_RUN_NAME)
         args += [
             "--service-discovery",
@@ -78,7 +77,7 @@ def get_router_args(spec: Mapping[str, Any], env: Mapping[str, str]) -> list[str
             args += ["--decode-selector", *_selector(run_name, constants.COMPONENT_DECODE)]
         else:
             args += ["--selector", *_selector(run_name, constants.COMPONENT_INFERENCE)]
-    elif discovery == "static":
+    elif discovery == constants.ROUTER_DISCOVERY_STATIC:
         if disaggregated:
             for url in env_list(env, constants.ENV_PREFILL_URLS, URLS):
                 args += ["--prefill", url]
@@ -88,7 +87,8 @@ def get_router_args(spec: Mapping[str, Any], env: Mapping[str, str]) -> list[str
             args += ["--worker-urls", *env_list(env, constants.ENV_WORKER_URLS, URLS)]
     else:
         raise RoleConfigError(
-            f"{constants.ENV_ROUTER_DISCOVERY}={discovery!r} is unknown; set it to one of {', '.join(DISCOVERY_MODES)}"
+            f"{constants.ENV_ROUTER_DISCOVERY}={discovery!r} is unknown; set it to one of "
+            f"{', '.join(constants.ROUTER_DISCOVERY_MODES)}"
         )
     args += list(view.args)
     return args

@@ -40,7 +40,7 @@ ON_POLICY_MISMATCH_KL = 1e-3   # every step's mismatch_kl_on_policy (samples of 
 MEAN_MISMATCH_KL = 0.15        # whole run, all samples: mostly the drift of rollouts one policy step old
                                # (maxAsyncLevel 1); measured means 0.02-0.05 (2026-11-29, lr 3e-3; lower at lr 2e-3)
 
-pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+pytestmark = [pytest.mark.vllm, pytest.mark.router, pytest.mark.e2e]  # rlrun local starts vllm-router too
 
 
 def write_run(tmp_path: Path, **changes: Any) -> Path:

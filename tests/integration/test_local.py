@@ -214,6 +214,7 @@ def _processes_of_run(storage_dir: Path) -> list[int]:
 
 
 @pytest.mark.vllm
+@pytest.mark.router
 @pytest.mark.e2e
 @pytest.mark.timeout(480)
 def test_rlrun_local_tiny_run_end_to_end(tiny_rlrun, tmp_path):

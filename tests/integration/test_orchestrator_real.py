@@ -96,6 +96,7 @@ def router(tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.router
 @pytest.mark.timeout(900)
 def test_real_run_async_gate_weight_updates_metrics_and_resume(tmp_path, router):
     storage_dir = tmp_path / "storage"

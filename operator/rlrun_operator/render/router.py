@@ -20,7 +20,6 @@ from .pod import env_value, get_http_probes, get_resources, render_container, re
 
 PORT_HTTP = "http"
 PORT_METRICS = "metrics"
-ROUTER_DISCOVERY_KUBERNETES = "kubernetes"
 # vllm-router 0.1.17, measured: /liveness answers 200 while the process serves; /readiness 503 until a
 # worker is healthy; /health 503 as soon as ANY worker is unhealthy, so it must not be the liveness check
 # (an inference pod restarting would get the router killed).
@@ -54,7 +53,7 @@ def render_router_rbac(rlrun: dict[str, Any], name: str) -> list[dict[str, Any]]
 def get_router_env() -> list[dict[str, Any]]:
     """Env of the router container (RLRUN_NAMESPACE comes with the base env, from the downward API)."""
     return [
-        env_value(c.ENV_ROUTER_DISCOVERY, ROUTER_DISCOVERY_KUBERNETES),
+        env_value(c.ENV_ROUTER_DISCOVERY, c.ROUTER_DISCOVERY_KUBERNETES),
         env_value(c.ENV_ROUTER_PORT, c.ROUTER_PORT),
         env_value(c.ENV_ROUTER_METRICS_PORT, c.ROUTER_METRICS_PORT),
     ]

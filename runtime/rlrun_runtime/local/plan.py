@@ -469,7 +469,7 @@ def get_local_plan(
         if pod.component == c.COMPONENT_TRAINER:
             env[c.ENV_TRAINER_METRICS_PORT] = str(pod.ports[c.TRAINER_METRICS_PORT])
         if pod.component == c.COMPONENT_ROUTER:
-            env[c.ENV_ROUTER_DISCOVERY] = "static"
+            env[c.ENV_ROUTER_DISCOVERY] = c.ROUTER_DISCOVERY_STATIC
             if c.COMPONENT_PREFILL in inference_urls or c.COMPONENT_DECODE in inference_urls:
                 env[c.ENV_PREFILL_URLS] = ",".join(inference_urls.get(c.COMPONENT_PREFILL, []))
                 env[c.ENV_DECODE_URLS] = ",".join(inference_urls.get(c.COMPONENT_DECODE, []))
