@@ -74,7 +74,10 @@ ENV_ROUTER_METRICS_PORT = "RLRUN_ROUTER_METRICS_PORT"
 ENV_PREFILL_URLS = "RLRUN_PREFILL_URLS"      # static prefill URLs for the router (local runs; clusters discover pods)
 ENV_DECODE_URLS = "RLRUN_DECODE_URLS"
 ENV_WORKER_URLS = "RLRUN_WORKER_URLS"        # static worker URLs for the router when not disaggregated (local runs)
-ENV_ROUTER_DISCOVERY = "RLRUN_ROUTER_DISCOVERY"  # "kubernetes" or "static"
+ENV_ROUTER_DISCOVERY = "RLRUN_ROUTER_DISCOVERY"  # one of ROUTER_DISCOVERY_MODES
+ROUTER_DISCOVERY_KUBERNETES = "kubernetes"  # the router watches the run's pods by label (in a cluster)
+ROUTER_DISCOVERY_STATIC = "static"          # the router gets the engines' URLs from env (rlrun local)
+ROUTER_DISCOVERY_MODES = (ROUTER_DISCOVERY_KUBERNETES, ROUTER_DISCOVERY_STATIC)
 ENV_METRICS_PORT = "RLRUN_METRICS_PORT"      # orchestrator metrics port
 ENV_NIXL_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 ENV_NIXL_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
@@ -139,6 +142,15 @@ VLLM_METRIC_RUNNING = "vllm:num_requests_running"
 VLLM_METRIC_WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 VLLM_WAITING_REASON_CAPACITY = "capacity"
 VLLM_METRIC_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"                       # 0..1
+# What the operator exports about its autoscaler (per run; role = prefill | decode)
+OPERATOR_METRIC_DESIRED_REPLICAS = "rlrun_operator_autoscaler_desired_replicas"  # gauge: replicas after the last decision
+OPERATOR_METRIC_CURRENT_REPLICAS = "rlrun_operator_autoscaler_current_replicas"  # gauge: ready replicas observed
+OPERATOR_METRIC_SCALING_DECISIONS = "rlrun_operator_autoscaler_decisions"         # counter {action, code} (_total)
+# Events the autoscaler posts on its RLRun
+EVENT_SCALED_PREFILL = "ScaledPrefill"
+EVENT_SCALED_DECODE = "ScaledDecode"
+EVENT_AUTOSCALER_DRY_RUN = "AutoscalerDryRun"
+EVENT_REPLICAS_EDITED = "ReplicasEditedByHand"
 
 # --- Algorithm defaults applied by the views (no CRD schema default: see OrchestratorView) --------
 DEFAULT_MAX_EMPTY_BATCHES = 3      # spec.algorithm.maxEmptyBatches: consecutive empty batches that fail the run

@@ -33,7 +33,7 @@ def load_documents(path: str | Path) -> list[dict[str, Any]]:
     except IsADirectoryError:
         raise SpecFileError(f"{path}: is a directory; pass the path of an RLRun YAML file") from None
     except UnicodeDecodeError:
-        raise SpecFileError(f"{path}: is not UTF-8 text; an RLRun file is YAML text") from None
+        raise SpecFileError(f"{path}: is not UTF-8 text; save the RLRun as UTF-8 YAML") from None
     except OSError as exc:
         raise SpecFileError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     return parse_documents(text, str(path))
@@ -68,6 +68,11 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+# A plain scalar that looks like a date (``2026-01-02``) stays a string, as kubectl's YAML-to-JSON
+# conversion keeps it: JSON has no date type, so a datetime.date could reach no API server.
+UniqueKeyLoader.add_constructor("tag:yaml.org,2002:timestamp", yaml.SafeLoader.construct_yaml_str)
+
+
 def parse_documents(text: str, source: str) -> list[dict[str, Any]]:
     """Parse YAML ``text`` into RLRun documents, as ``load_documents`` does; ``source`` names it in errors.
 
@@ -81,6 +86,8 @@ def parse_documents(text: str, source: str) -> list[dict[str, Any]]:
     except DuplicateKeyError as exc:
         raise SpecFileError(f"{path}: key {exc.key!r} appears twice in one mapping (line {exc.first_line} and "
                             f"line {exc.line}); keep only one of them") from None
+    except RecursionError:  # PyYAML's composer recurses once per nesting level
+        raise SpecFileError(f"{path}: nests too deeply to be read (thousands of levels); flatten it") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -93,7 +100,7 @@ def parse_documents(text: str, source: str) -> list[dict[str, Any]]:
         where = f"{path}" if len(docs) == 1 else f"{path} (document {i + 1})"
         if not isinstance(doc, dict):
             raise SpecFileError(
-                f"{where}: is a YAML {type(doc).__name__}, not a mapping; an RLRun is a mapping with "
+                f"{where}: is a YAML {type(doc).__name__}, not a mapping; write an RLRun: a mapping with "
                 f"apiVersion: {constants.API_VERSION}, kind: {constants.KIND}, metadata and spec")
         if doc.get("apiVersion") != constants.API_VERSION or doc.get("kind") != constants.KIND:
             raise SpecFileError(

@@ -1,6 +1,8 @@
 """Checks of a whole RLRun object: the CRD's schema, the CRD's CEL rules, then semantic checks (pure).
 
-``validate(rlrun)`` runs, on the object after ``spec.apply_defaults``:
+``validate(rlrun)`` first checks that the object is what JSON can carry (``check_values``: string keys,
+finite numbers, 64-bit integers, no YAML-only values, bounded nesting and size) and stops there if not; then
+it runs, on the object after ``spec.apply_defaults``:
 
 1. the CRD's openAPIV3Schema with jsonschema (Draft 4, the dialect OpenAPI v3.0 schemas follow: boolean
    ``exclusiveMinimum``). Like the API server's strict field validation (``kubectl apply`` default since
@@ -11,7 +13,7 @@
 3. semantic checks that a schema cannot express (P:D sizing, autoscaling bounds against the sized pools,
    trainer parallelism degrees, builtin environment names, metadata.name present, spec.pod.env not
    replacing the runtime's own variables, features this release does not implement yet: LoRA, fp8/mxfp8,
-   ep/cp > 1, partial FSDP, the nccl weight transport, the autoscaler — checked last, only when nothing
+   ep/cp > 1, partial FSDP, the nccl weight transport — checked last, only when nothing
    else is wrong). They run only when step 1 found nothing, because they read
    many fields at once and need them well typed; an error whose path a CEL rule already reported is not
    repeated.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import datetime
 import difflib
 import functools
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -110,11 +113,18 @@ def _validator() -> jsonschema.Draft4Validator:
 def _path(parts: Any) -> str:
     out = ""
     for part in parts:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        out = f"{out}[{part}]" if isinstance(part, int) else _join(out, part)
     return out
 
 
-def _join(path: str, key: str) -> str:
+_PLAIN_KEY = re.compile(r"^[^\s\[\]'\"]+$")
+
+
+def _join(path: str, key: Any) -> str:
+    """``path.key``; a key that would not read as one (empty, with spaces, brackets or quotes, not a string)
+    is written ``path[<repr>]``, e.g. ``spec['']``."""
+    if not isinstance(key, str) or not _PLAIN_KEY.match(key):
+        return f"{path}[{key!r}]"
     return f"{path}.{key}" if path else key
 
 
@@ -197,6 +207,66 @@ def check_schema(rlrun: dict[str, Any]) -> list[FieldError]:
     """
     errors = [f for e in _validator().iter_errors(rlrun) for f in _schema_errors(e)]
     return sorted(set(errors), key=lambda e: (e.path, e.message))
+
+
+# --- 0. what JSON can carry ----------------------------------------------------------------------
+
+MAX_DEPTH = 64  # levels of nesting; an RLRun needs about 10 (affinity terms are the deepest)
+MAX_VALUES = 100_000  # values in one object; the API server's 1.5 MiB request limit holds fewer
+INT64 = (-(2 ** 63), 2 ** 63 - 1)
+
+
+class _TooBig(Exception):
+    def __init__(self, error: FieldError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def check_values(rlrun: Any) -> list[FieldError]:
+    """What JSON, and so the API server, cannot carry: non-string keys, non-finite numbers, integers beyond
+    64 bits, YAML-only values (bytes, sets, dates a caller did not load as strings), nesting deeper than
+    MAX_DEPTH or itself (a YAML alias cycle), more than MAX_VALUES values (an alias bomb).
+
+    The schema check would pass NaN (every comparison with it is false), the CEL conversion refuses
+    integers beyond 64 bits, and the other checks recurse; so ``validate`` stops after these errors."""
+    out: list[FieldError] = []
+    count = [0]
+
+    def visit(value: Any, path: str, ancestors: tuple[int, ...]) -> None:
+        count[0] += 1
+        if count[0] > MAX_VALUES:
+            raise _TooBig(FieldError(path, f"is where the object passes {MAX_VALUES} values (YAML aliases "
+                                           "repeated?); write a smaller RLRun"))
+        if isinstance(value, (dict, list)):
+            if id(value) in ancestors:
+                out.append(FieldError(path, "contains itself (a YAML alias to an enclosing node); replace the "
+                                            "alias with the values it stands for"))
+                return
+            if len(ancestors) >= MAX_DEPTH:
+                raise _TooBig(FieldError(path, f"nests more than {MAX_DEPTH} levels deep; flatten it (no RLRun "
+                                               "field needs that depth)"))
+            inner = (*ancestors, id(value))
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(value, dict) and not isinstance(key, str):
+                    out.append(FieldError(_join(path, key), f"the key {key!r} is not a string but "
+                                                            f"{type(key).__name__}; quote it (JSON keys are strings)"))
+                    continue
+                visit(item, _join(path, key) if isinstance(value, dict) else f"{path}[{key}]", inner)
+        elif isinstance(value, float) and not math.isfinite(value):
+            out.append(FieldError(path, f"must be a finite number, not {value}; write a number"))
+        elif isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
+            out.append(FieldError(path, f"{_describe(value)} does not fit in 64 bits; set it between "
+                                        f"{INT64[0]} and {INT64[1]}"))
+        elif value is not None and not isinstance(value, (str, bool, int, float)):
+            out.append(FieldError(path, f"is a {type(value).__name__} value, which JSON cannot carry; write it "
+                                        "as a string (quote it in YAML)"))
+
+    try:
+        visit(rlrun, "", ())
+    except _TooBig as exc:
+        out.append(exc.error)
+    return out
 
 
 # --- 2. CEL --------------------------------------------------------------------------------------
@@ -303,10 +373,6 @@ def check_implemented(run_spec: dict[str, Any], world_size: int | None = None) -
         world_size: the trainer's actual rank count when known; otherwise nodes x gpusPerNode, or 1 on CPU.
     """
     out = check_trainer_implemented(TrainerView.from_spec(run_spec), world_size)
-    if run_spec["autoscaling"]["enabled"]:
-        out.append(FieldError("spec.autoscaling.enabled", "the prefill/decode autoscaler is not implemented yet; "
-                                                          "set false (pools keep the sizes from "
-                                                          "inference.disaggregation.ratio and replicas)"))
     if run_spec["weightSync"]["transport"] != "filesystem":
         out.append(FieldError("spec.weightSync.transport", f"{run_spec['weightSync']['transport']} is not "
                                                            "implemented yet; set filesystem (safetensors on the "
@@ -389,6 +455,9 @@ def _validate(rlrun: Any) -> list[FieldError]:
         return [FieldError("", f"an RLRun is a mapping, not {type(rlrun).__name__}; write apiVersion, kind, "
                                "metadata and spec")]
     out = []
+    values = check_values({k: v for k, v in rlrun.items() if k != "status"})
+    if values:  # the checks below recurse and compare: they need JSON values (see check_values)
+        return values
     if rlrun.get("apiVersion") != constants.API_VERSION:
         out.append(FieldError("apiVersion", f"{_describe(rlrun.get('apiVersion'))} is not served; set "
                                             f"apiVersion: {constants.API_VERSION}"))

@@ -9,7 +9,9 @@ its own settings (:class:`rlrun_operator.config.OperatorConfig`). The operator-w
 - create / update (spec only) / resume: reconcile the children, then write the status; update also prunes
   children the render no longer produces. A semantically invalid spec writes Ready=False reason InvalidSpec
   and one Warning Event, and creates nothing.
-- timer (every ``config.status_interval_s`` seconds): refresh the status from children and metrics, then do
+- timer (every ``config.status_interval_s`` seconds): refresh the status from children and metrics (and,
+  for a run with spec.autoscaling.enabled, one autoscaler decision per scrapeIntervalSeconds:
+  ``reconcile.run_autoscaler``; the clock is ``memo.clock`` when an embedder sets one), then do
   what ``reconcile.plan_after_refresh`` decides (finish: give a finished run's GPUs back; drift: recreate a
   missing child). kopf puts its finalizer (constants.FINALIZER) on served RLRuns because of it. A refresh in
   flight when the operator stops (SIGTERM) is cancelled (``run_unless_stopped``), so the operator exits
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Awaitable, Callable
 
 import aiohttp
@@ -82,6 +85,8 @@ async def publish_status(memo: kopf.Memo, namespace: str, name: str,
             await memo.api.merge_patch(constants.KIND, namespace, name, {"status": change.patch},
                                        subresource="status")
         metrics.set_run_phase(namespace, name, change.new_phase)
+        for event_type, reason, message in change.events:  # the autoscaler's (reconcile.plan_scaling)
+            kopf.event(fresh, type=event_type, reason=reason, message=message)
         if change.old_phase != change.new_phase:
             kopf.event(fresh, type="Warning" if change.new_phase == PHASE_FAILED else "Normal",
                        reason=change.new_phase, message=f"phase {change.old_phase or 'none'} -> {change.new_phase}")
@@ -211,7 +216,7 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
 
         async def compute(fresh: dict[str, Any]) -> StatusChange:
             return await refresh_run(memo.api, memo.http, fresh, state.get_reconciled_generation(fresh),
-                                     state.invalid)
+                                     state.invalid, run_state=state, clock=getattr(memo, "clock", None) or time.time)
 
         seen: list[tuple[dict[str, Any], StatusChange]] = []
 

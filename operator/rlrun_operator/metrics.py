@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from rlrun_api import constants
 from rlrun_operator.status import (PHASE_FAILED, PHASE_INITIALIZING, PHASE_PENDING, PHASE_RUNNING,
                                    PHASE_SUCCEEDED, PHASE_SUSPENDED, Progress)
 
@@ -39,9 +40,20 @@ RUN_WEIGHT_UPDATE = Gauge("rlrun_operator_run_weight_update_in_flight",
 QUEUE_DEPTH = Gauge("rlrun_operator_queue_depth", "Sum of vllm:num_requests_waiting over a pool's pods.",
                     ["namespace", "name", "role"], registry=REGISTRY)
 
+AUTOSCALER_DESIRED = Gauge(constants.OPERATOR_METRIC_DESIRED_REPLICAS,
+                           "Replicas of a pool the autoscaler wants after its last decision (dry run: would want).",
+                           ["namespace", "name", "role"], registry=REGISTRY)
+AUTOSCALER_CURRENT = Gauge(constants.OPERATOR_METRIC_CURRENT_REPLICAS,
+                           "Ready replicas of a pool when the autoscaler last decided.",
+                           ["namespace", "name", "role"], registry=REGISTRY)
+AUTOSCALER_DECISIONS = Counter(constants.OPERATOR_METRIC_SCALING_DECISIONS,
+                               "Autoscaler decisions of a run, by action (hold, grow, shrink, move) and code.",
+                               ["namespace", "name", "action", "code"], registry=REGISTRY)
+
 PHASES = (PHASE_PENDING, PHASE_INITIALIZING, PHASE_RUNNING, PHASE_SUSPENDED, PHASE_SUCCEEDED, PHASE_FAILED)
 _PHASES: dict[tuple[str, str], str] = {}
 _POOLS: dict[tuple[str, str], set[str]] = {}
+_DECISIONS: dict[tuple[str, str], set[tuple[str, str]]] = {}
 
 
 def set_run_phase(namespace: str, name: str, phase: str) -> None:
@@ -68,6 +80,17 @@ def set_run_progress(namespace: str, name: str, progress: Progress | None, depth
         _POOLS.setdefault((namespace, name), set()).add(pool)
 
 
+def set_autoscaler(namespace: str, name: str, desired: dict[str, int], current: dict[str, int], action: str,
+                   code: str) -> None:
+    """Record one autoscaler decision: desired and current (ready) replicas per pool, the decision counted."""
+    for pool, value in desired.items():
+        AUTOSCALER_DESIRED.labels(namespace, name, pool).set(value)
+    for pool, value in current.items():
+        AUTOSCALER_CURRENT.labels(namespace, name, pool).set(value)
+    AUTOSCALER_DECISIONS.labels(namespace, name, action, code).inc()
+    _DECISIONS.setdefault((namespace, name), set()).add((action, code))
+
+
 def forget_run(namespace: str, name: str) -> None:
     """Drop every series of a deleted run."""
     _PHASES.pop((namespace, name), None)
@@ -80,5 +103,16 @@ def forget_run(namespace: str, name: str) -> None:
     for pool in _POOLS.pop((namespace, name), set()):
         try:
             QUEUE_DEPTH.remove(namespace, name, pool)
+        except KeyError:
+            pass
+    for gauge in (AUTOSCALER_DESIRED, AUTOSCALER_CURRENT):
+        for pool in (constants.COMPONENT_PREFILL, constants.COMPONENT_DECODE):
+            try:
+                gauge.remove(namespace, name, pool)
+            except KeyError:
+                pass
+    for action, code in _DECISIONS.pop((namespace, name), set()):
+        try:
+            AUTOSCALER_DECISIONS.remove(namespace, name, action, code)
         except KeyError:
             pass

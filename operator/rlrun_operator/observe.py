@@ -10,14 +10,16 @@ scraped at ``http://<podIP>:<constants.INFERENCE_PORT>/metrics`` and read with `
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from rlrun_api import constants
 from rlrun_api.prometheus import get_samples
+from rlrun_operator import autoscale
 from rlrun_operator.kubeapi import KubeApi
-from rlrun_operator.status import Progress
+from rlrun_operator.status import Progress, find_role
 
 SCRAPE_TIMEOUT_S = 2.0
 WORKLOAD_KINDS = ("StatefulSet", "Deployment", "Job")
@@ -121,10 +123,27 @@ async def read_metrics_text(session: aiohttp.ClientSession, url: str,
         return None
 
 
+@dataclass(frozen=True)
+class Scrape:
+    """One scrape of a run: the orchestrator's progress and queue depth per pool (as before), plus the texts
+    read (by URL; unreachable ones absent) for the autoscaler's observations."""
+
+    progress: Progress | None = None
+    depth: dict[str, float] = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)
+    orchestrator_url: str | None = None
+
+
 async def read_progress(session: aiohttp.ClientSession, pods: list[dict[str, Any]],
                         ) -> tuple[Progress | None, dict[str, float]]:
     """Scrape the orchestrator (progress, None when unreachable or unparsable) and every running inference
     pod (queue depth per pool: sum of vllm:num_requests_waiting; pools with no readable pod are absent)."""
+    scrape = await read_scrape(session, pods)
+    return scrape.progress, scrape.depth
+
+
+async def read_scrape(session: aiohttp.ClientSession, pods: list[dict[str, Any]]) -> Scrape:
+    """What read_progress reads, with the texts kept (one GET per running pod with a podIP)."""
     orchestrator, pools = get_pod_targets(pods)
     urls = ([orchestrator] if orchestrator else []) + [u for us in pools.values() for u in us]
     texts = dict(zip(urls, await asyncio.gather(*(read_metrics_text(session, u) for u in urls))))
@@ -146,4 +165,57 @@ async def read_progress(session: aiohttp.ClientSession, pods: list[dict[str, Any
                 continue
             if waiting is not None:
                 depth[pool] = depth.get(pool, 0.0) + waiting
-    return progress, depth
+    return Scrape(progress=progress, depth=depth, texts={u: t for u, t in texts.items() if t is not None},
+                  orchestrator_url=orchestrator)
+
+
+def is_pod_ready(pod: dict[str, Any]) -> bool:
+    """The pod's Ready condition is True and it is not terminating (a warming-up or stopping pod is not)."""
+    if pod.get("metadata", {}).get("deletionTimestamp"):
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def get_pool_observation(workloads: list[dict[str, Any]], pods: list[dict[str, Any]], scrape: Scrape,
+                         pool: str) -> autoscale.PoolObservation:
+    """A pool's Deployment (desired = spec.replicas, the live value: a hand edit is the current value; ready
+    = status.readyReplicas once the controller observed the current generation, else 0) and one sample per
+    Running pod whose /metrics was read (pods not Ready are marked warming). Pure."""
+    obj = find_role(workloads, pool) or {}
+    spec_replicas = (obj.get("spec") or {}).get("replicas", 1)
+    desired = int(spec_replicas) if isinstance(spec_replicas, (int, float)) else 1
+    st = obj.get("status") or {}
+    observed = st.get("observedGeneration") == obj.get("metadata", {}).get("generation")
+    ready = int(st.get("readyReplicas") or 0) if observed else 0
+    samples = []
+    for pod in pods:
+        labels = pod.get("metadata", {}).get("labels") or {}
+        ip = (pod.get("status") or {}).get("podIP")
+        if labels.get(constants.LABEL_COMPONENT) != pool or not ip or (pod.get("status") or {}).get("phase") != "Running":
+            continue
+        text = scrape.texts.get(f"http://{ip}:{constants.INFERENCE_PORT}/metrics")
+        if text is None:
+            continue  # unreachable: unknown, not a sample
+        try:
+            samples.append(autoscale.get_pod_sample(pod["metadata"].get("name", ""), pool, text,
+                                                    warming=not is_pod_ready(pod)))
+        except ValueError:
+            continue
+    return autoscale.PoolObservation(desired=desired, ready=ready, pods=tuple(samples))
+
+
+def get_observations(workloads: list[dict[str, Any]], pods: list[dict[str, Any]],
+                     scrape: Scrape) -> autoscale.Observations:
+    """The autoscaler's Observations of a disaggregated run (pure); the orchestrator's loop sample is None
+    when it could not be read (its absent counters read as 0, absent resume time as None)."""
+    loop = None
+    text = scrape.texts.get(scrape.orchestrator_url or "")
+    if text is not None:
+        try:
+            loop = autoscale.get_loop_sample(text)
+        except ValueError:
+            loop = None
+    return autoscale.Observations(
+        prefill=get_pool_observation(workloads, pods, scrape, constants.COMPONENT_PREFILL),
+        decode=get_pool_observation(workloads, pods, scrape, constants.COMPONENT_DECODE), loop=loop)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import datetime
 import time
 from dataclasses import dataclass, field
@@ -14,12 +15,13 @@ from typing import Any, Callable, Literal, Mapping
 import aiohttp
 
 from rlrun_api import constants
-from rlrun_operator import apply, metrics, observe, status
-from rlrun_operator.kubeapi import KubeApi
+from rlrun_operator import apply, autoscale, metrics, observe, status
+from rlrun_operator.kubeapi import ApiError, KubeApi
 from rlrun_operator.render import RenderError, render
 from rlrun_api.sizing import SizingError
 from rlrun_api.spec import apply_defaults
 from rlrun_api.validation import validate
+from rlrun_api.views import AutoscalingView
 
 
 @dataclass
@@ -87,7 +89,8 @@ def get_without_stored_default(rlrun: dict[str, Any]) -> dict[str, Any]:
     it is validated without it. The render keeps reading the stored spec, so its children (and their
     hashes) stay as they are. A new run cannot get here with both: the API server refuses it at admission.
     """
-    storage = (rlrun.get("spec") or {}).get("storage")
+    run_spec = rlrun.get("spec")
+    storage = run_spec.get("storage") if isinstance(run_spec, dict) else None  # any type: not validated yet
     if not isinstance(storage, dict) or not storage.get("claimName") \
             or storage.get("size") != constants.DEFAULT_STORAGE_SIZE:
         return rlrun
@@ -240,6 +243,7 @@ class StatusChange:
     old_phase: str | None
     new_phase: str
     missing: tuple[str, ...] = ()
+    events: tuple[tuple[str, str, str], ...] = ()  # (type, reason, message) to post after the write
 
 
 def plan_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress: status.Progress | None,
@@ -272,12 +276,18 @@ class RunState:
         reconciled: a create/resume/update reconcile has finished once (the timer waits for it).
         reconciled_generation: metadata.generation of the last reconcile that rendered the children.
         invalid: the spec's errors found by the last reconcile ([] when valid).
+        autoscale: the autoscaler's state after its last decision (None: derive it from
+            status.scalingHistory, as after an operator restart); autoscale_time: when it decided;
+            autoscale_known: the pool sizes it last saw or set (a different live value is a hand edit).
     """
 
     status_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     reconciled: bool = False
     reconciled_generation: int | None = None
     invalid: list[str] = field(default_factory=list)
+    autoscale: autoscale.State | None = None
+    autoscale_time: float | None = None
+    autoscale_known: dict[str, int] | None = None
 
     def get_reconciled_generation(self, rlrun: dict[str, Any]) -> int | None:
         """The generation the children were last rendered for: ours, else (after an operator restart, before
@@ -305,11 +315,127 @@ def plan_after_refresh(rlrun: dict[str, Any], change: StatusChange,
     return None
 
 
+def get_autoscaling(rlrun: dict[str, Any], reconciled_generation: int | None,
+                    invalid: list[str]) -> AutoscalingView | None:
+    """The autoscaling view of a run the autoscaler acts on now (pure), else None: autoscaling enabled on
+    a disaggregated, valid, live (not suspended, not finished) run whose current spec is applied."""
+    if invalid or is_finished(rlrun) or rlrun.get("metadata", {}).get("generation") != reconciled_generation:
+        return None
+    try:
+        defaulted = get_defaulted(rlrun)["spec"]
+        view = AutoscalingView.from_spec(defaulted)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not view.enabled or not view.disaggregated or defaulted.get("suspend"):
+        return None
+    return view
+
+
+def is_autoscale_due(last: float | None, now: float, view: AutoscalingView) -> bool:
+    """One decision per scrapeIntervalSeconds (5 % slack for the timer's jitter)."""
+    return last is None or now - last >= 0.95 * view.scrape_interval_s
+
+
+@dataclass(frozen=True)
+class ScalingPlan:
+    """What the status timer does with one autoscaler Decision (plan_scaling).
+
+    ``patches``: (Deployment name, JSON patch) setting spec.replicas, each guarded by a ``test`` of the
+    replicas the decision read (a concurrent hand edit makes it fail: the decision is then dropped);
+    ``history``: the new status.scalingHistory (None: unchanged); ``events``: (type, reason, message)."""
+
+    decision: autoscale.Decision
+    patches: tuple[tuple[str, list[dict[str, Any]]], ...] = ()
+    history: list[dict[str, Any]] | None = None
+    events: tuple[tuple[str, str, str], ...] = ()
+
+
+_HISTORY_KEYS = ("prefill", "decode", "prefillBefore", "decodeBefore", "action", "code", "dryRun")
+
+
+def plan_scaling(rlrun: dict[str, Any], decision: autoscale.Decision, now: float, dry_run: bool,
+                 known: Mapping[str, int] | None = None) -> ScalingPlan:
+    """Turn a Decision into writes (pure). A decision that changes replicas patches the pool Deployments
+    (never with dryRun), appends a status.scalingHistory entry and posts an Event (ScaledPrefill,
+    ScaledDecode or AutoscalerDryRun). A dry-run decision identical to the newest history entry (same
+    sizes, action, code) is not recorded again: the pools did not move, so it would repeat every interval.
+    ``known``: the sizes the autoscaler last saw or set; a different live size is a hand edit, taken as the
+    current value and said in an Event. Holds write nothing."""
+    name = rlrun["metadata"]["name"]
+    events: list[tuple[str, str, str]] = []
+    before = {autoscale.PREFILL: decision.prefill_before, autoscale.DECODE: decision.decode_before}
+    for pool in autoscale.POOLS:
+        if known and pool in known and known[pool] != before[pool]:
+            events.append(("Normal", constants.EVENT_REPLICAS_EDITED,
+                           f"{pool} replicas changed from {known[pool]} to {before[pool]} outside the autoscaler; "
+                           f"it decides from {before[pool]}"))
+    if not decision.changed:
+        return ScalingPlan(decision, events=tuple(events))
+    history = list((rlrun.get("status") or {}).get("scalingHistory") or [])
+    entry = decision.history_entry(now, dry_run=dry_run)
+    if dry_run and history and isinstance(history[-1], Mapping) \
+            and all(history[-1].get(k) == entry[k] for k in _HISTORY_KEYS):
+        return ScalingPlan(decision, events=tuple(events))
+    sizes = f"prefill {decision.prefill_before} -> {decision.prefill}, decode {decision.decode_before} -> {decision.decode}"
+    if dry_run:
+        events.append(("Normal", constants.EVENT_AUTOSCALER_DRY_RUN, f"would {decision.action} ({sizes}): "
+                                                                    f"{decision.reason}"))
+        return ScalingPlan(decision, history=autoscale.append_history(history, entry), events=tuple(events))
+    patches = []
+    for pool in autoscale.POOLS:
+        after = decision.replicas(pool)
+        if after != before[pool]:
+            patches.append((f"{name}-{pool}", [{"op": "test", "path": "/spec/replicas", "value": before[pool]},
+                                               {"op": "replace", "path": "/spec/replicas", "value": int(after)}]))
+            reason = constants.EVENT_SCALED_PREFILL if pool == autoscale.PREFILL else constants.EVENT_SCALED_DECODE
+            events.append(("Normal", reason, f"{pool} {before[pool]} -> {after} ({decision.action}, "
+                                             f"{decision.code}): {decision.reason}"))
+    return ScalingPlan(decision, patches=tuple(patches), history=autoscale.append_history(history, entry),
+                       events=tuple(events))
+
+
+async def run_autoscaler(api: KubeApi, rlrun: dict[str, Any], workloads: list[dict[str, Any]],
+                         pods: list[dict[str, Any]], scrape: observe.Scrape, view: AutoscalingView,
+                         run_state: RunState, now: float) -> tuple[list[dict[str, Any]], ScalingPlan | None]:
+    """One autoscaler decision of a run (observe -> decide -> plan_scaling -> patch the Deployments).
+    Returns the workloads with the patched Deployments as the API answered, and the plan (None when a
+    patch was refused because the replicas changed meanwhile: nothing is recorded, the next interval
+    decides again from the live values)."""
+    meta = rlrun["metadata"]
+    observations = observe.get_observations(workloads, pods, scrape)
+    state = run_state.autoscale or autoscale.get_state_from_history(
+        (rlrun.get("status") or {}).get("scalingHistory"))
+    decision = autoscale.decide(observations, state, autoscale.Policy.from_view(view), now)
+    plan = plan_scaling(rlrun, decision, now, view.dry_run, run_state.autoscale_known)
+    patched: dict[str, dict[str, Any]] = {}
+    for child, ops in plan.patches:
+        try:
+            patched[child] = await api.json_patch("Deployment", meta["namespace"], child, ops)
+        except ApiError as exc:
+            if exc.status in (404, 409, 422):
+                run_state.autoscale_time = now
+                run_state.autoscale_known = None
+                return workloads, None
+            raise
+        metrics.CHILD_WRITES.labels("scale").inc()
+    run_state.autoscale, run_state.autoscale_time = decision.state, now
+    applied = not view.dry_run
+    run_state.autoscale_known = {p: decision.replicas(p) if applied else observations.pool(p).desired
+                                 for p in autoscale.POOLS}
+    metrics.set_autoscaler(meta["namespace"], meta["name"], {p: decision.replicas(p) for p in autoscale.POOLS},
+                           {p: observations.pool(p).ready for p in autoscale.POOLS}, decision.action, decision.code)
+    out = [{**patched[o["metadata"]["name"]], "kind": "Deployment"}
+           if o.get("kind") == "Deployment" and o.get("metadata", {}).get("name") in patched else o for o in workloads]
+    return out, plan
+
+
 async def refresh_run(api: KubeApi, session: aiohttp.ClientSession, rlrun: dict[str, Any],
-                      reconciled_generation: int | None, invalid: list[str]) -> StatusChange:
+                      reconciled_generation: int | None, invalid: list[str], run_state: RunState | None = None,
+                      clock: Callable[[], float] = time.time) -> StatusChange:
     """Read the run's workloads, pods and other children, scrape its orchestrator and inference pods,
-    re-export the scraped values as operator metrics, and return the status change (empty when nothing
-    changed) with the rendered children that are missing."""
+    re-export the scraped values as operator metrics, run the autoscaler when it is due (``run_state``
+    given and get_autoscaling says so; ``clock``: unix time), and return the status change (empty when
+    nothing changed) with the rendered children that are missing and the Events to post."""
     meta = rlrun["metadata"]
     try:
         workloads = await observe.read_workloads(api, meta["namespace"], meta["name"])
@@ -318,7 +444,18 @@ async def refresh_run(api: KubeApi, session: aiohttp.ClientSession, rlrun: dict[
     except Exception:
         metrics.RECONCILE_ERRORS.labels("refresh").inc()
         raise
-    progress, depth = await observe.read_progress(session, pods)
+    scrape = await observe.read_scrape(session, pods)
+    progress, depth = scrape.progress, scrape.depth
     metrics.set_run_progress(meta["namespace"], meta["name"], progress, depth)
-    return plan_status(rlrun, workloads, progress, reconciled_generation, invalid, others=others,
-                       failure=observe.get_orchestrator_failure(pods))
+    plan = None
+    view = get_autoscaling(rlrun, reconciled_generation, invalid) if run_state is not None else None
+    if view is not None and run_state is not None:
+        now = clock()
+        if is_autoscale_due(run_state.autoscale_time, now, view):
+            workloads, plan = await run_autoscaler(api, rlrun, workloads, pods, scrape, view, run_state, now)
+    change = plan_status(rlrun, workloads, progress, reconciled_generation, invalid, others=others,
+                         failure=observe.get_orchestrator_failure(pods))
+    if plan is None:
+        return change
+    patch = {**change.patch, "scalingHistory": plan.history} if plan.history is not None else change.patch
+    return dataclasses.replace(change, patch=patch, events=plan.events)

@@ -56,6 +56,16 @@ class Progress:
     engines_out_of_service: int | None = None   # constants.METRIC_ENGINES_OUT_OF_SERVICE
 
 
+def get_field(rlrun: Any, *keys: str) -> Any:
+    """``rlrun[k1][k2]...``, or None where a level is missing or not a mapping (an invalid spec's status is
+    computed too, and its fields may have any type)."""
+    for key in keys:
+        if not isinstance(rlrun, dict):
+            return None
+        rlrun = rlrun.get(key)
+    return rlrun
+
+
 def get_expected_roles(rlrun: dict[str, Any]) -> list[str]:
     """Roles a defaulted RLRun runs: trainer, prefill+decode or inference, router, orchestrator."""
     disaggregated = bool(rlrun.get("spec", {}).get("inference", {}).get("disaggregation", {}).get("enabled"))
@@ -175,7 +185,7 @@ def get_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress:
     """
     old = rlrun.get("status") or {}
     generation = rlrun.get("metadata", {}).get("generation")
-    suspended = bool(rlrun.get("spec", {}).get("suspend"))
+    suspended = get_field(rlrun, "spec", "suspend") is True
     expected = get_expected_roles(rlrun)
     roles = {}
     for role in ROLES:

@@ -183,7 +183,6 @@ def test_valid_variations_have_no_errors(tiny_rlrun) -> None:
     not_implemented = {  # valid specs that ask for features this release refuses (check_implemented)
         2: ["spec.trainer.parallelism.ep", "spec.trainer.parallelism.cp", "spec.trainer.parallelism.fsdp"],
         3: ["spec.trainer.quantization", "spec.weightSync.transport"],
-        4: ["spec.autoscaling.enabled"],
     }
     for i, changes in enumerate(variations):
         errors = validate(mutate(tiny_rlrun, changes))
