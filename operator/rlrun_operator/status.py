@@ -68,7 +68,7 @@ def get_field(rlrun: Any, *keys: str) -> Any:
 
 def get_expected_roles(rlrun: dict[str, Any]) -> list[str]:
     """Roles a defaulted RLRun runs: trainer, prefill+decode or inference, router, orchestrator."""
-    disaggregated = bool(rlrun.get("spec", {}).get("inference", {}).get("disaggregation", {}).get("enabled"))
+    disaggregated = get_field(rlrun, "spec", "inference", "disaggregation", "enabled") is True
     pools = ["prefill", "decode"] if disaggregated else ["inference"]
     return ["trainer", *pools, "router", "orchestrator"]
 
