@@ -136,7 +136,8 @@ def test_real_run_async_gate_weight_updates_metrics_and_resume(tmp_path, router)
         assert httpx.get(f"{engine_url}/weight_info").json()["weight_version"] == "3"
         assert sorted(p.name for p in storage.weights_dir.iterdir()) == ["step-000003"]
         state = json.loads(storage.orchestrator_state.read_text())
-        assert state == {"next_step": 4, "prompt_cursor": json.loads(storage.rollout_batch(3).read_text())["prompt_cursor"]}
+        assert state == {"next_step": 4, "prompt_cursor": json.loads(storage.rollout_batch(3).read_text())["prompt_cursor"],
+                     "empty_batch_streak": 0}
         samples = [json.loads(line) for line in storage.rollout_samples_file.read_text().splitlines()]
         assert {"prompt", "completion", "reward", "policy_version", "step"} <= set(samples[0])
 
