@@ -307,7 +307,8 @@ def test_keep_pause_without_clear_cache_preempts_nothing_and_measures_both(engin
         for figures in results["clear_cache=false"]:  # what the update path sends
             assert figures["preemptions"] == 0
         for figures in results["clear_cache=true"]:  # every request still running in the engine is preempted
-            assert 1 <= figures["preemptions"] <= IN_FLIGHT
+            assert figures["preemptions"] > 0, figures  # vLLM's default preempts (what rlrun no longer sends)
+            assert figures["preemptions"] <= IN_FLIGHT, figures
         assert statistics.median(f["preemptions"] for f in results["clear_cache=true"]) == IN_FLIGHT
         assert all(r["preemptions"] == 0 for r in results["baseline"])
 
