@@ -27,7 +27,7 @@ local: install
 	$(BIN)/rlrun local $(EXAMPLE) --output-dir $(OUTPUT)
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 sync-crd:
 	cp crds/rlrun.yaml api/rlrun_api/data/rlrun.yaml

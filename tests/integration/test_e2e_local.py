@@ -83,9 +83,9 @@ def run_local(path: Path, out_dir: Path, *extra: str, timeout: float = 850) -> s
                           capture_output=True, text=True, timeout=timeout)
 
 
-# Seeds of the learning test. The suite runs two (about 3.5 minutes each on 2 cores) to stay under 30
+# Seeds of the learning test. The suite runs one (3.5 to 7 minutes on 2 cores, by load) to stay under 30
 # minutes; RLRUN_E2E_SEEDS=0,1,2 runs the three of the benchmark (benchmarks/README.md records them).
-E2E_SEEDS = [int(s) for s in os.environ.get("RLRUN_E2E_SEEDS", "0,1").split(",") if s.strip()]
+E2E_SEEDS = [int(s) for s in os.environ.get("RLRUN_E2E_SEEDS", "0").split(",") if s.strip()]
 
 
 @pytest.mark.timeout(900)
