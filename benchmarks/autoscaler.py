@@ -26,9 +26,11 @@ benchmarks/README.md). Traces: benchmarks/data/autoscaler-*.json, generated once
 ``--make-traces`` and frozen before decide was tuned.
 
 Figures per controller: queued-request-seconds (prefill waiting + decode capacity-waiting, integrated),
-replica-seconds (prefill + decode pods held), reaction time from each imbalance onset recorded in the trace
-to the first decision moving capacity toward the pool that needs it, direction changes per hour (a pool
-grown then shrunk, or the reverse), completed requests and trainer steps.
+replica-seconds (prefill + decode pods held), reaction time to the first decision moving capacity toward the
+pool that needs it - from the imbalance's onset (the first scrape after the phase starts where that pool
+queues above scaleUpWaiting per replica and the other does not: the controller's own latency) and, beside
+it, from the phase's start (which adds the time the phase's requests take to reach the pools) - direction
+changes per hour (a pool grown then shrunk, or the reverse), completed requests and trainer steps.
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from rlrun_api.views import PoolBounds
+from rlrun_api.spec import apply_defaults
+from rlrun_api.views import AutoscalingView
 from rlrun_operator import autoscale
-from rlrun_operator.autoscale import (DECODE, POOLS, PREFILL, LoopSample, Observations, PodSample, Policy,
-                                      PoolObservation, State)
+from rlrun_operator.autoscale import (DECODE, POOLS, PREFILL, LoopSample, Observations, PodSample, PoolObservation,
+                                      State)
 
 DATA = Path(__file__).resolve().parent / "data"
 TRACES = ("rl-phases", "balanced-noise")
@@ -233,7 +236,7 @@ class Sim:
 class DecideController:
     name = "decide"
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: AutoscalingView):
         self.policy, self.state = policy, State()
 
     def __call__(self, obs: Observations, now: float) -> tuple[dict[str, int], str]:
@@ -253,7 +256,7 @@ class HpaController:
     TOLERANCE = 0.1
     WINDOW_S = 300.0
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: AutoscalingView):
         self.policy = policy
         self.history: dict[str, list[tuple[float, int]]] = {PREFILL: [], DECODE: []}
 
@@ -298,7 +301,8 @@ class Figures:
     replica_s: float = 0.0
     completed: int = 0
     trainer_steps: int = 0
-    reactions_s: list[float | None] = field(default_factory=list)
+    reactions_s: list[float | None] = field(default_factory=list)        # from the imbalance becoming visible
+    phase_reactions_s: list[float | None] = field(default_factory=list)  # from the phase start
     direction_changes: int = 0
     decisions: list[tuple[float, int, int, str]] = field(default_factory=list)
 
@@ -310,12 +314,14 @@ class Figures:
         return {"controller": self.controller, "trace": self.trace, "seconds": self.seconds,
                 "queued_request_s": round(self.queued_request_s), "replica_s": round(self.replica_s),
                 "completed": self.completed, "trainer_steps": self.trainer_steps,
-                "reactions_s": self.reactions_s, "direction_changes_per_hour": self.direction_changes_per_hour,
+                "reactions_s": self.reactions_s, "phase_reactions_s": self.phase_reactions_s,
+                "direction_changes_per_hour": self.direction_changes_per_hour,
                 "scalings": len(self.decisions)}
 
 
-def run(trace_name: str, trace: dict[str, Any], make_controller: Callable[[Policy], Any], policy: Policy,
-        cal: Calibration, start: tuple[int, int] = (2, 2), seconds: float | None = None) -> Figures:
+def run(trace_name: str, trace: dict[str, Any], make_controller: Callable[[AutoscalingView], Any],
+        policy: AutoscalingView, cal: Calibration, start: tuple[int, int] = (2, 2),
+        seconds: float | None = None) -> Figures:
     """Simulate ``trace`` under one controller; ``seconds`` cuts it short."""
     controller = make_controller(policy)
     sim = Sim(cal, *start)
@@ -326,7 +332,7 @@ def run(trace_name: str, trace: dict[str, Any], make_controller: Callable[[Polic
     figures = Figures(controller=controller.name, trace=trace_name, seconds=end)
     last_delta = {p: 0 for p in POOLS}
     # RL loop state
-    version, issued, trainer_busy_until, trainer_waiting_since = 0, 0, 0.0, None
+    version, issued, trainer_busy_until = 0, 0, 0.0
     trainer_wait_s = gate_wait_s = 0.0
     pause_until, last_resume, updates = -1.0, None, 0
     completed_batches = collections.Counter()
@@ -334,6 +340,7 @@ def run(trace_name: str, trace: dict[str, Any], make_controller: Callable[[Polic
     phase_i, req_i = 0, 0
     arrivals = trace.get("arrivals", [])
     arrival_i = 0
+    visible: list[float | None] = [None] * len(trace.get("onsets", []))
     t = 0.0
     while t < end:
         for pool in sim.pools.values():
@@ -387,6 +394,9 @@ def run(trace_name: str, trace: dict[str, Any], make_controller: Callable[[Polic
                               last_resume_time=last_resume if last_resume is not None and last_resume <= t else None,
                               trainer_wait_s=trainer_wait_s, gate_wait_s=gate_wait_s) if rl else None
             obs = sim.observe(loop)
+            for i, onset in enumerate(trace.get("onsets", [])):
+                if visible[i] is None and t >= onset["t"] and _imbalanced(obs, onset["needs"], policy):
+                    visible[i] = t
             want, code = controller(obs, t)
             for name in POOLS:
                 delta = want[name] - sim.pools[name].desired
@@ -400,33 +410,49 @@ def run(trace_name: str, trace: dict[str, Any], make_controller: Callable[[Polic
         t += dt
     figures.completed = len(sim.done)
     figures.trainer_steps = consumed
-    for onset in trace["onsets"]:
+    for onset, seen in zip(trace["onsets"], visible):
         if onset["t"] >= end:
             continue
-        prev = None
-        hit = None
-        for (when, p, d, _code) in figures.decisions:
-            if when < onset["t"]:
-                prev = (p, d)
-                continue
-            before = prev or start
-            grew = (p > before[0]) if onset["needs"] == PREFILL else (d > before[1])
-            gave = (d < before[1]) if onset["needs"] == PREFILL else (p < before[0])
-            if grew or gave:
-                hit = when - onset["t"]
-                break
-            prev = (p, d)
-        figures.reactions_s.append(hit)
+        first = _first_move_toward(figures.decisions, onset["needs"], onset["t"], start)
+        figures.phase_reactions_s.append(None if first is None else first - onset["t"])
+        figures.reactions_s.append(None if first is None or seen is None else max(0.0, first - seen))
     return figures
 
 
-def default_policy() -> Policy:
-    """The CRD's defaults with a budget of 8 pods and pools of 1..7 (the benchmark's cluster)."""
-    return Policy(prefill=PoolBounds(1, 7), decode=PoolBounds(1, 7), max_replicas=8)
+def _imbalanced(obs: Observations, needs: str, policy: AutoscalingView) -> bool:
+    """The imbalance is visible: the pool that ``needs`` capacity queues above scaleUpWaiting per ready
+    replica while the other does not. A phase's start is not yet an imbalance: its requests reach the pools
+    only once the async gate lets them out and prefill has processed them (up to minutes in this trace)."""
+    def per_replica(name: str) -> float:
+        counted = obs.pool(name).counted
+        return sum(p.waiting for p in counted) / max(1, len(counted))
+    other = DECODE if needs == PREFILL else PREFILL
+    return per_replica(needs) > policy.scale_up_waiting >= per_replica(other)
+
+
+def _first_move_toward(decisions: list[tuple[float, int, int, str]], needs: str, since: float,
+                       start: tuple[int, int]) -> float | None:
+    """Time of the first decision at or after ``since`` that grows ``needs`` or shrinks the other pool."""
+    prev = start
+    for when, p, d, _code in decisions:
+        if when >= since:
+            grew = p > prev[0] if needs == PREFILL else d > prev[1]
+            gave = d < prev[1] if needs == PREFILL else p < prev[0]
+            if grew or gave:
+                return when
+        prev = (p, d)
+    return None
+
+
+def default_policy() -> AutoscalingView:
+    """The autoscaling view of a run with a budget of 8 pods and pools of 1..7 (the benchmark's cluster),
+    every other field defaulted as the operator defaults it (the CRD's and the view's defaults)."""
+    autoscaling = {"enabled": True, "maxReplicas": 8, "prefill": {"max": 7}, "decode": {"max": 7}}
+    return AutoscalingView.from_spec(apply_defaults({"spec": {"autoscaling": autoscaling}})["spec"])
 
 
 def compare(trace_name: str, seconds: float | None = None, cal: Calibration | None = None,
-            policy: Policy | None = None) -> dict[str, Figures]:
+            policy: AutoscalingView | None = None) -> dict[str, Figures]:
     cal = cal or Calibration.load()
     policy = policy or default_policy()
     trace = load_trace(trace_name)
@@ -434,13 +460,15 @@ def compare(trace_name: str, seconds: float | None = None, cal: Calibration | No
             for c in (DecideController, HpaController)}
 
 
-def report(results: dict[str, Figures], policy: Policy) -> str:
+def report(results: dict[str, Figures], policy: AutoscalingView) -> str:
     d, h = results["decide"], results["hpa"]
     lines = [f"trace {d.trace}: {d.seconds / 60:.0f} min simulated"]
     for f in (d, h):
         reactions = ", ".join("never" if r is None else f"{r:.0f} s" for r in f.reactions_s) or "-"
+        from_phase = ", ".join("never" if r is None else f"{r:.0f} s" for r in f.phase_reactions_s) or "-"
         lines.append(f"  {f.controller:6s} queued-request-s {f.queued_request_s:10.0f}  replica-s {f.replica_s:8.0f}"
                      f"  completed {f.completed:6d}  trainer steps {f.trainer_steps:4d}  reaction {reactions}"
+                     f" (from the phase start {from_phase})"
                      f"  direction changes/h {f.direction_changes_per_hour:.1f}  scalings {len(f.decisions)}")
     if h.queued_request_s:
         lines.append(f"  decide vs hpa: {100 * (1 - d.queued_request_s / h.queued_request_s):.1f} % fewer queued-request-s, "

@@ -1,18 +1,16 @@
-"""Shared test helpers: the repository root and the example RLRuns."""
+"""Shared fixtures: `tiny_example`, a fresh copy of examples/rlrun-tiny.yaml (tests/support/example_runs.py)."""
 
 from __future__ import annotations
 
-import copy
-from pathlib import Path
-
 import pytest
-import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+from example_runs import ROOT, load_example
+
+# ROOT stays importable from here for tests/unit/test_bad_input.py; new code imports it from example_runs.
+__all__ = ["ROOT", "tiny_example"]
 
 
 @pytest.fixture
-def tiny_rlrun() -> dict:
-    """A fresh copy of examples/rlrun-tiny.yaml (the embedded default run) as a dict."""
-    return copy.deepcopy(yaml.safe_load((ROOT / "examples" / "rlrun-tiny.yaml").read_text()))
+def tiny_example() -> dict:
+    """A fresh copy of examples/rlrun-tiny.yaml (the embedded default run) as a dict, not defaulted."""
+    return load_example("rlrun-tiny.yaml")

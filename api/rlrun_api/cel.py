@@ -397,6 +397,21 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
+def compile_rules(schema: dict[str, Any]) -> int:
+    """Compile (and cache) every rule and message expression of ``schema`` now; returns how many.
+
+    The first compile builds cel-python's parser (about 1 s of CPU); a long-lived process (the operator)
+    calls this at start-up so that the first object it validates does not pay for it.
+
+    Raises:
+        CELRuleError: a rule of the schema is not valid CEL.
+    """
+    expressions = {e for rule in _rules_of(schema) for e in (rule.rule, rule.message_expression) if e}
+    for expression in expressions:
+        compile_rule(expression)
+    return len(expressions)
+
+
 def evaluate_rules(obj: dict[str, Any], schema: dict[str, Any], skip_paths: frozenset[str] = frozenset()) -> list[Violation]:
     """Evaluate every rule of ``schema`` on ``obj`` (the whole, already defaulted object).
 

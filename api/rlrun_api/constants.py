@@ -4,6 +4,8 @@ The renderer writes these into manifests, the runtime roles read them back, the 
 `rlrun local` agree on them. Nothing else in the code base spells them out.
 """
 
+from types import MappingProxyType
+
 # --- API -----------------------------------------------------------------------------------------
 GROUP = "rlrun.dev"
 VERSION = "v1alpha1"
@@ -37,6 +39,11 @@ OPERATOR_APP_NAME = "rlrun-operator"  # app.kubernetes.io/name of the operator's
 DEFAULT_OPERATOR_NAMESPACE = "rlrun-system"
 # The operator's own namespace, set by the chart from the downward API (metadata.namespace).
 ENV_OPERATOR_NAMESPACE = "RLRUN_OPERATOR_NAMESPACE"
+# Where the operator finds Kubernetes credentials, like `kopf run`: set in every pod (in-cluster service
+# account), else the kubeconfig files (first path used; default ~/.kube/config).
+ENV_KUBERNETES_SERVICE_HOST = "KUBERNETES_SERVICE_HOST"
+ENV_KUBECONFIG = "KUBECONFIG"
+DEFAULT_KUBECONFIG = "~/.kube/config"
 # Label every namespace carries (Kubernetes >= 1.22): how a NetworkPolicy selects one namespace by name.
 LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
 LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller (Kubernetes >= 1.28)
@@ -46,6 +53,9 @@ ANNOTATION_SPEC_HASH = "rlrun.dev/spec-hash"          # hash of a child's render
 ANNOTATION_CONFIG_HASH = "rlrun.dev/config-hash"      # on pod templates: rolls pods when the run config changes
 # On a scaled (inference/prefill/decode) Deployment of a suspended run: its replicas before suspend.
 ANNOTATION_REPLICAS_BEFORE_SUSPEND = "rlrun.dev/replicas-before-suspend"
+# On a scaled Deployment: the spec's size fields its replicas were last set from (canonical JSON, e.g.
+# {"spec.inference.replicas":2}); a spec whose sizes differ from it resizes the pool (apply.plan_replicas).
+ANNOTATION_APPLIED_SIZES = "rlrun.dev/applied-sizes"
 FINALIZER = "rlrun.dev/finalizer"
 
 # Components (values of app.kubernetes.io/component).
@@ -68,6 +78,9 @@ ENV_NAMESPACE = "RLRUN_NAMESPACE"
 ENV_INFERENCE_ROLE = "RLRUN_INFERENCE_ROLE"  # prefill | decode | both
 ENV_INFERENCE_PORT = "RLRUN_INFERENCE_PORT"
 ENV_INFERENCE_ENDPOINTS = "RLRUN_INFERENCE_ENDPOINTS"  # comma-separated host:port; a host may resolve to many pods
+# The prefill pool's part of ENV_INFERENCE_ENDPOINTS (P/D runs only): the orchestrator pauses those engines
+# after the decode engines and resumes them first (runtime/rlrun_runtime/weights/update.py says why).
+ENV_PREFILL_ENDPOINTS = "RLRUN_PREFILL_ENDPOINTS"
 ENV_ROUTER_URL = "RLRUN_ROUTER_URL"          # http://host:port the orchestrator sends completions to
 ENV_ROUTER_PORT = "RLRUN_ROUTER_PORT"
 ENV_ROUTER_METRICS_PORT = "RLRUN_ROUTER_METRICS_PORT"
@@ -132,7 +145,7 @@ METRIC_EMPTY_BATCH_STREAK = "rlrun_orchestrator_empty_batch_streak"           # 
 # exposed with _total; a 15 s scrape misses sub-second pauses, hence a counter and the last resume's time.
 METRIC_WEIGHT_UPDATES = "rlrun_orchestrator_weight_updates"                   # counter: finished weight updates
 METRIC_LAST_RESUME_TIME = "rlrun_orchestrator_last_resume_timestamp_seconds"  # gauge: unix time of the last resume
-METRIC_TRAINER_WAIT_SECONDS = "rlrun_orchestrator_trainer_wait_seconds"       # counter: trainer waited for data
+METRIC_DATA_WAIT_SECONDS = "rlrun_orchestrator_trainer_wait_seconds"          # counter: trainer waited for data
 METRIC_GATE_WAIT_SECONDS = "rlrun_orchestrator_gate_wait_seconds"             # counter: generation held by the async gate
 # vLLM's queue depth, scraped from every inference pod by the autoscaler
 VLLM_METRIC_WAITING = "vllm:num_requests_waiting"
@@ -142,6 +155,9 @@ VLLM_METRIC_RUNNING = "vllm:num_requests_running"
 VLLM_METRIC_WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 VLLM_WAITING_REASON_CAPACITY = "capacity"
 VLLM_METRIC_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"                       # 0..1
+# NixlConnector's stats on a decode server: one histogram observation per KV transfer, failed transfers
+VLLM_METRIC_NIXL_TRANSFER_SECONDS = "vllm:nixl_xfer_time_seconds"                # histogram (_count: transfers)
+VLLM_METRIC_NIXL_FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers"            # counter (exposed with _total)
 # What the operator exports about its autoscaler (per run; role = prefill | decode)
 OPERATOR_METRIC_DESIRED_REPLICAS = "rlrun_operator_autoscaler_desired_replicas"  # gauge: replicas after the last decision
 OPERATOR_METRIC_CURRENT_REPLICAS = "rlrun_operator_autoscaler_current_replicas"  # gauge: ready replicas observed
@@ -151,6 +167,14 @@ EVENT_SCALED_PREFILL = "ScaledPrefill"
 EVENT_SCALED_DECODE = "ScaledDecode"
 EVENT_AUTOSCALER_DRY_RUN = "AutoscalerDryRun"
 EVENT_REPLICAS_EDITED = "ReplicasEditedByHand"
+# Events a reconcile posts when the spec's size fields change (apply.plan_replicas)
+EVENT_RESIZED = "Resized"                                # a pool resized to the new spec
+EVENT_RESIZE_LEFT_TO_AUTOSCALER = "ResizeLeftToAutoscaler"  # autoscaling on: the spec's sizes are not applied
+# spec.autoscaling.thresholds without a CRD schema default (one would rewrite every run's ConfigMap on
+# upgrade): views.AutoscalingView.from_spec applies these; docs/operator.md ("Autoscaling") says why each.
+DEFAULT_MAX_KV_CACHE_USAGE = 0.8     # maxKvCacheUsage: 20 % KV headroom after a shrink
+DEFAULT_GATED_FRACTION = 0.5         # gatedFraction: generation held most of the interval
+DEFAULT_TRAINER_WAIT_FRACTION = 0.2  # trainerWaitFraction: the trainer idles a fifth of the time for data
 
 # --- Algorithm defaults applied by the views (no CRD schema default: see OrchestratorView) --------
 DEFAULT_MAX_EMPTY_BATCHES = 3      # spec.algorithm.maxEmptyBatches: consecutive empty batches that fail the run
@@ -175,9 +199,21 @@ RUNTIME_GID = 1000
 CPU_KVCACHE_SPACE_GIB = 1
 
 # --- Child object names (`<metadata.name><suffix>`) and Kubernetes name limits --------------------
-CHILD_SUFFIXES = ("-config", "-storage", "-trainer", "-inference", "-prefill", "-decode", "-router",
-                  "-orchestrator")
-STATEFULSET_SUFFIXES = ("-trainer",)
+# Suffix of each child's name, by child (render.metadata.get_child_names names them from this). The inference
+# NetworkPolicy shares the inference name on purpose.
+CHILD_NAME_SUFFIXES = MappingProxyType({
+    "config": "-" + COMPONENT_CONFIG,
+    "storage": "-" + COMPONENT_STORAGE,
+    "trainer": "-" + COMPONENT_TRAINER,
+    "inference": "-" + COMPONENT_INFERENCE,
+    "prefill": "-" + COMPONENT_PREFILL,
+    "decode": "-" + COMPONENT_DECODE,
+    "router": "-" + COMPONENT_ROUTER,
+    "orchestrator": "-" + COMPONENT_ORCHESTRATOR,
+    "network-policy": "-" + COMPONENT_INFERENCE,
+})
+CHILD_SUFFIXES = tuple(dict.fromkeys(CHILD_NAME_SUFFIXES.values()))  # each distinct suffix once
+STATEFULSET_SUFFIXES = (CHILD_NAME_SUFFIXES["trainer"],)
 DNS_LABEL_MAX_LENGTH = 63  # DNS-1035 label: Service names, label values (Kubernetes API conventions)
 # A StatefulSet's pods carry controller-revision-hash=<name>-<10-char hash>, a label value (<= 63), so its
 # name may have at most 52 characters (kubernetes/kubernetes issue 64023).
@@ -202,5 +238,5 @@ RESERVED_ENV_NAMES = frozenset({
     ENV_INFERENCE_ROLE, ENV_INFERENCE_PORT, ENV_VLLM_DEV_MODE, ENV_NIXL_SIDE_CHANNEL_PORT,
     ENV_NIXL_SIDE_CHANNEL_HOST,
     ENV_ROUTER_DISCOVERY, ENV_ROUTER_PORT, ENV_ROUTER_METRICS_PORT,
-    ENV_ROUTER_URL, ENV_INFERENCE_ENDPOINTS, ENV_METRICS_PORT,
+    ENV_ROUTER_URL, ENV_INFERENCE_ENDPOINTS, ENV_PREFILL_ENDPOINTS, ENV_METRICS_PORT,
 })

@@ -59,12 +59,13 @@ class UniqueKeyLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue  # "<<" merge keys may repeat
             key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
             try:
-                first = seen.setdefault(key, key_node.start_mark.line + 1)
+                if key in seen:  # by key, not by line: a flow mapping can repeat a key on one line
+                    raise DuplicateKeyError(key, line, seen[key])
+                seen[key] = line
             except TypeError:  # an unhashable key: SafeLoader reports it itself
                 continue
-            if first != key_node.start_mark.line + 1:
-                raise DuplicateKeyError(key, key_node.start_mark.line + 1, first)
         return super().construct_mapping(node, deep)
 
 

@@ -58,5 +58,9 @@ def size_pd(ratio: str, replicas: int) -> PDSize:
             "replica; set it to 2 or more, or set spec.inference.disaggregation.enabled: false"
         )
     total = p_part + d_part
-    best = min(range(1, replicas), key=lambda p: (abs(p * total - replicas * p_part), p))
+    # |p * total - replicas * P| is convex in p with its minimum at replicas * P / total: the best split in
+    # [1, replicas - 1] is one of the two integers around it, clamped (O(1): replicas may be any size).
+    q = replicas * p_part // total
+    candidates = {min(max(p, 1), replicas - 1) for p in (q, q + 1)}
+    best = min(candidates, key=lambda p: (abs(p * total - replicas * p_part), p))
     return PDSize(prefill=best, decode=replicas - best)

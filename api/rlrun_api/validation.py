@@ -283,6 +283,13 @@ def check_cel(rlrun: dict[str, Any], skip_paths: frozenset[str] = frozenset()) -
     return [FieldError(v.path, v.message) for v in violations]
 
 
+def prepare() -> None:
+    """Compile the CRD's CEL rules and its JSON schema validator now (a long-lived process calls this at
+    start-up: about 1 s of CPU, otherwise paid by the first validation). Raises cel.CELRuleError on a CRD bug."""
+    cel.compile_rules(spec.crd_schema())
+    _validator()
+
+
 # --- 3. semantic checks --------------------------------------------------------------------------
 
 PYTHON_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -318,7 +325,7 @@ def check_pools(run_spec: dict[str, Any]) -> list[FieldError]:
     if not autoscaling["enabled"]:
         return []
     out = []
-    for role, count in (("prefill", size.prefill), ("decode", size.decode)):
+    for role, count in ((constants.COMPONENT_PREFILL, size.prefill), (constants.COMPONENT_DECODE, size.decode)):
         bounds = autoscaling[role]
         where = (f"inference.disaggregation ratio {disagg['ratio']} with {disagg['replicas']} replicas "
                  f"starts {count} {role} replica(s)")

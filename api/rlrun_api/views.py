@@ -13,7 +13,8 @@ pods (replica seeds; suspend only scales to zero).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar, Mapping
 
 from rlrun_api import constants
@@ -210,6 +211,48 @@ class RouterView(SpecView):
 
 
 @dataclass(frozen=True)
+class EnvironmentView:
+    """``spec.environment`` (pure): where prompts come from and how completions are scored.
+
+    ``type`` (reasoning-gym, verifiers, python, builtin: the CRD's enum, checked by the runtime's
+    ``load_environment``), ``name`` (dataset, id, import path or builtin task), ``seed`` (CRD default 0) and
+    ``args`` (keyword arguments for the environment's constructor; a read-only mapping of a copy of the
+    spec's, nested values as written).
+    """
+
+    type: str
+    name: str
+    seed: int = 0
+    args: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def from_mapping(cls, environment: Any) -> "EnvironmentView":
+        """The view of a (defaulted or hand-written) ``spec.environment`` mapping.
+
+        Raises:
+            ValueError: not a mapping, ``type`` not a string, ``name`` missing or empty, ``seed`` not an
+                integer, ``args`` not a mapping; the message names the ``spec.environment`` field and the fix.
+        """
+        if not isinstance(environment, Mapping):
+            raise ValueError("spec.environment: must be a mapping with type and name")
+        kind, name = environment.get("type"), environment.get("name")
+        seed, args = environment.get("seed", 0), environment.get("args") or {}
+        if not isinstance(kind, str):
+            raise ValueError(f"spec.environment.type: must be a string, got {kind!r}")
+        if not isinstance(name, str) or not name:
+            raise ValueError("spec.environment.name: required (a task name, dataset, id or import path)")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"spec.environment.seed: must be an integer, got {seed!r}")
+        if not isinstance(args, Mapping):
+            raise ValueError("spec.environment.args: must be a mapping of keyword arguments")
+        return cls(type=kind, name=name, seed=seed, args=MappingProxyType(copy.deepcopy(dict(args))))
+
+    def describe(self) -> str:
+        """A few words for messages: ``"builtin/reverse-words (seed 0)"``."""
+        return f"{self.type}/{self.name} (seed {self.seed})"
+
+
+@dataclass(frozen=True)
 class OrchestratorView(SpecView):
     """What the orchestrator reads: nearly everything. It is a Job, whose pod template is immutable, so the
     operator recreates the Job when this projection changes (it resumes from orchestrator/state.json). Of
@@ -234,7 +277,7 @@ class OrchestratorView(SpecView):
     max_tokens: int
     max_model_len: int
     disaggregated: bool
-    environment: Mapping[str, Any]
+    environment: EnvironmentView
     weight_transport: str
     max_empty_batches: int = constants.DEFAULT_MAX_EMPTY_BATCHES
     truncation: str = constants.DEFAULT_TRUNCATION
@@ -248,6 +291,9 @@ class OrchestratorView(SpecView):
         ``truncation`` have no CRD schema default (a schema default would change every run's defaulted spec,
         and so every pod's config hash, on upgrade): their defaults are applied here
         (``constants.DEFAULT_MAX_EMPTY_BATCHES``, ``constants.DEFAULT_TRUNCATION``).
+
+        Raises:
+            ValueError: ``spec.environment`` is malformed (:meth:`EnvironmentView.from_mapping`).
         """
         view = cls.project(spec)
         alg = view["algorithm"]
@@ -264,7 +310,8 @@ class OrchestratorView(SpecView):
             temperature=float(sampling["temperature"]), top_p=float(sampling["topP"]),
             max_tokens=int(sampling["maxTokens"]), max_model_len=int(view["model"]["maxModelLen"]),
             disaggregated=bool(view["inference"]["disaggregation"]["enabled"]),
-            environment=view["environment"], weight_transport=view["weightSync"]["transport"])
+            environment=EnvironmentView.from_mapping(view["environment"]),
+            weight_transport=view["weightSync"]["transport"])
 
 
 @dataclass(frozen=True)
@@ -278,7 +325,13 @@ class PoolBounds:
 @dataclass(frozen=True)
 class AutoscalingView(SpecView):
     """What the autoscaling policy reads: ``spec.autoscaling`` (the operator reads it; no pod does, so it
-    rolls none) and whether inference is disaggregated (autoscaling needs it)."""
+    rolls none) and whether inference is disaggregated (autoscaling needs it). It is the policy that
+    ``rlrun_operator.autoscale.decide`` reads.
+
+    No field has a default of its own: every value comes from a defaulted spec through :meth:`from_spec`
+    (the CRD's schema defaults, and the ones from_spec applies), so each default is written once.
+    Units: replicas; seconds (``*_s``); queued requests per replica (``scale_*_waiting``); fractions 0..1.
+    """
 
     READS: ClassVar[tuple[FieldPath, ...]] = (("autoscaling",), ("inference", "disaggregation", "enabled"))
 
@@ -286,22 +339,35 @@ class AutoscalingView(SpecView):
     disaggregated: bool
     prefill: PoolBounds
     decode: PoolBounds
+    max_replicas: int
+    dry_run: bool
     scrape_interval_s: float
     up_cooldown_s: float
     down_cooldown_s: float
     scale_up_waiting: float
     scale_down_waiting: float
-    max_replicas: int = 16
-    dry_run: bool = False
-    max_kv_cache_usage: float = 0.8
-    gated_fraction: float = 0.5
-    trainer_wait_fraction: float = 0.2
+    max_kv_cache_usage: float
+    gated_fraction: float
+    trainer_wait_fraction: float
+
+    def bounds(self, pool: str) -> PoolBounds:
+        """The bounds of ``pool`` (constants.COMPONENT_PREFILL or COMPONENT_DECODE).
+
+        Raises:
+            KeyError: ``pool`` is neither.
+        """
+        if pool == constants.COMPONENT_PREFILL:
+            return self.prefill
+        if pool == constants.COMPONENT_DECODE:
+            return self.decode
+        raise KeyError(pool)
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> "AutoscalingView":
-        """The view of a defaulted spec. ``maxReplicas`` (prefill.max + decode.max), ``dryRun`` and the thresholds
-        maxKvCacheUsage, gatedFraction, trainerWaitFraction have no CRD schema default (one would change every
-        run's ConfigMap on upgrade): their defaults are applied here."""
+        """The view of a defaulted spec. ``maxReplicas``, ``dryRun`` and the thresholds maxKvCacheUsage,
+        gatedFraction, trainerWaitFraction have no CRD schema default (one would change every run's ConfigMap
+        on upgrade): their defaults are applied here: prefill.max + decode.max, false, and
+        ``constants.DEFAULT_MAX_KV_CACHE_USAGE``, ``DEFAULT_GATED_FRACTION``, ``DEFAULT_TRAINER_WAIT_FRACTION``."""
         view = cls.project(spec)
         auto = view["autoscaling"]
         thresholds = auto["thresholds"]
@@ -315,6 +381,6 @@ class AutoscalingView(SpecView):
             scale_down_waiting=float(thresholds["scaleDownWaiting"]),
             max_replicas=int(auto.get("maxReplicas", int(auto["prefill"]["max"]) + int(auto["decode"]["max"]))),
             dry_run=bool(auto.get("dryRun", False)),
-            max_kv_cache_usage=float(thresholds.get("maxKvCacheUsage", 0.8)),
-            gated_fraction=float(thresholds.get("gatedFraction", 0.5)),
-            trainer_wait_fraction=float(thresholds.get("trainerWaitFraction", 0.2)))
+            max_kv_cache_usage=float(thresholds.get("maxKvCacheUsage", constants.DEFAULT_MAX_KV_CACHE_USAGE)),
+            gated_fraction=float(thresholds.get("gatedFraction", constants.DEFAULT_GATED_FRACTION)),
+            trainer_wait_fraction=float(thresholds.get("trainerWaitFraction", constants.DEFAULT_TRAINER_WAIT_FRACTION)))

@@ -140,7 +140,7 @@ def run_render(file: str, namespace: str | None, out: TextIO, err: TextIO,
     except ValueError as exc:
         print(f"{file}: {exc}", file=err)
         return EXIT_INVALID
-    from rlrun_operator import apply  # only this command needs the operator's modules
+    from rlrun_operator import apply, reconcile  # only this command needs the operator's modules
     from rlrun_operator.render import RenderError, render
 
     try:
@@ -148,9 +148,11 @@ def run_render(file: str, namespace: str | None, out: TextIO, err: TextIO,
     except RenderError as exc:  # a spec the renderer refuses (its message names the field and the fix)
         print(f"{file}: {exc}", file=err)
         return EXIT_INVALID
-    # What the operator POSTs: the same objects with its spec-hash annotation (apply.get_creatable).
+    # What the operator POSTs: the same objects with its spec-hash annotation and, on the pools, the size
+    # fields they were sized from (apply.get_creatable).
     suspended = bool(rlrun["spec"].get("suspend"))
-    manifests = [apply.get_creatable(m, suspended) for m in manifests]
+    sizes = reconcile.get_pool_sizes(rlrun["spec"])
+    manifests = [apply.get_creatable(m, suspended, sizes) for m in manifests]
     out.write(yaml.safe_dump_all(manifests, sort_keys=False, default_flow_style=False))
     return EXIT_OK
 

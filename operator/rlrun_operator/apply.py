@@ -8,10 +8,12 @@ Rules (docs/operator.md explains them):
   makes it fail with 422; the child is then read again and re-planned). It sets our labels, annotations and
   ownerReferences key by key and replaces each top-level field we render (each key of ``spec`` separately),
   so fields set by the API server or by others (a Service's clusterIP, foreign labels) are left alone.
-- The replicas of the inference/prefill/decode Deployments are seeded from the render at creation only; a
-  patch never sends them (they belong to the operator's scaling decisions and to people), except that
-  suspend scales them to 0 after saving the live count in constants.ANNOTATION_REPLICAS_BEFORE_SUSPEND and
-  resume restores that count.
+- The replicas of the inference/prefill/decode Deployments are seeded from the render at creation; after
+  that the live value is kept (a person's ``kubectl scale``, the autoscaler's decision) and a patch sends
+  replicas only in three cases (plan_replicas): suspend scales to 0 after saving the live count in
+  constants.ANNOTATION_REPLICAS_BEFORE_SUSPEND, resume restores that count, and, with autoscaling off, a
+  change of the spec's size fields (compared with constants.ANNOTATION_APPLIED_SIZES, the sizes last
+  applied) resizes the pool to the new spec, with an Event. Never ``replicas: null``.
 - A Job's pod template is immutable: when the orchestrator Job's rendered content changes it is deleted
   with foreground propagation (the Job stays, with a deletionTimestamp, until its pods are gone, so the
   create answers 409 and is retried — ApplyConflict after MAX_ATTEMPTS, then kopf's retry: two
@@ -26,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from rlrun_api import constants
 from rlrun_operator.kubeapi import ApiError, KubeApi
@@ -39,24 +41,60 @@ CREATE_ONLY_KINDS = ("PersistentVolumeClaim",)
 MAX_ATTEMPTS = 4
 
 
+EventSpec = tuple[str, str, str]  # (type, reason, message) of an Event to post on the RLRun
+
+
 @dataclass(frozen=True)
 class Plan:
     """What to do with one child: ``action`` is create | patch | replace | none; ``body`` for create and
-    replace (the object to POST), ``ops`` for patch (a JSON patch)."""
+    replace (the object to POST), ``ops`` for patch (a JSON patch); ``events`` to post once it is done."""
 
     action: str
     body: dict[str, Any] | None = None
     ops: list[dict[str, Any]] = field(default_factory=list)
+    events: tuple[EventSpec, ...] = ()
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """Result of applying one child: the action taken and the live object afterwards."""
+    """Result of applying one child: the action taken, the live object afterwards and the Events to post
+    (a pool resized to a new spec, plan_replicas)."""
 
     kind: str
     name: str
     action: str
     obj: dict[str, Any]
+    events: tuple[EventSpec, ...] = ()
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """Where the pool Deployments' replicas come from in one reconcile (reconcile.get_pool_sizes).
+
+    Attributes:
+        fields: the spec's size fields the pools are sized from, by path: ``{"spec.inference.replicas": 2}``,
+            or ``{"spec.inference.disaggregation.ratio": "1:2", "spec.inference.disaggregation.replicas": 6}``
+            when disaggregated. Stored on every pool Deployment (``encoded()``) in
+            constants.ANNOTATION_APPLIED_SIZES when its replicas are set from them.
+        autoscaled: the autoscaler owns the replicas (spec.autoscaling.enabled on a disaggregated run, not
+            dryRun): a change of ``fields`` is not applied to the pools (the spec's sizes were the initial split).
+    """
+
+    fields: Mapping[str, Any]
+    autoscaled: bool = False
+
+    def encoded(self) -> str:
+        """``fields`` as canonical JSON (sorted keys, no spaces), the annotation's value."""
+        return json.dumps(dict(self.fields), sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """JSON-patch ops on a pool Deployment's replicas and annotations (plan_replicas), and the Events that
+    say why."""
+
+    ops: list[dict[str, Any]] = field(default_factory=list)
+    events: tuple[EventSpec, ...] = ()
 
 
 def is_scaled(manifest: dict[str, Any]) -> bool:
@@ -73,15 +111,19 @@ def _volatile_spec_key(manifest: dict[str, Any]) -> str | None:
     return None
 
 
+# Annotations stamped at apply time, not rendered: never part of the spec hash.
+_UNHASHED_ANNOTATIONS = frozenset({constants.ANNOTATION_SPEC_HASH, constants.ANNOTATION_APPLIED_SIZES})
+
+
 def get_spec_hash(manifest: dict[str, Any]) -> str:
     """Stable hash (16 hex chars of SHA-256 over canonical JSON) of everything we render for a child, minus
-    the fields handled apart: a scaled Deployment's ``spec.replicas``, a Job's ``spec.suspend``, ``status``
-    and the hash annotation itself."""
+    the fields handled apart: a scaled Deployment's ``spec.replicas``, a Job's ``spec.suspend``, ``status``,
+    the hash annotation itself and the applied-sizes annotation (neither is rendered)."""
     # Shallow copies of the few dicts we drop keys from; the rest is only read.
     body = {k: v for k, v in manifest.items() if k != "status"}
     meta = dict(body.get("metadata") or {})
-    if constants.ANNOTATION_SPEC_HASH in (meta.get("annotations") or {}):
-        meta["annotations"] = {k: v for k, v in meta["annotations"].items() if k != constants.ANNOTATION_SPEC_HASH}
+    if _UNHASHED_ANNOTATIONS & set(meta.get("annotations") or {}):
+        meta["annotations"] = {k: v for k, v in meta["annotations"].items() if k not in _UNHASHED_ANNOTATIONS}
     body["metadata"] = meta
     volatile = _volatile_spec_key(manifest)
     if volatile is not None and isinstance(body.get("spec"), dict):
@@ -90,13 +132,16 @@ def get_spec_hash(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def get_creatable(manifest: dict[str, Any], suspended: bool) -> dict[str, Any]:
+def get_creatable(manifest: dict[str, Any], suspended: bool, sizes: PoolSizes | None = None) -> dict[str, Any]:
     """The object to POST: the manifest with its spec-hash annotation; a scaled Deployment of a suspended
-    run starts at 0 replicas and remembers its seed in ANNOTATION_REPLICAS_BEFORE_SUSPEND."""
+    run starts at 0 replicas and remembers its seed in ANNOTATION_REPLICAS_BEFORE_SUSPEND; with ``sizes``,
+    a scaled Deployment also records the size fields it was seeded from (ANNOTATION_APPLIED_SIZES)."""
     body = dict(manifest)  # shallow: only metadata.annotations and spec.replicas are replaced below
     meta = body["metadata"] = dict(manifest.get("metadata") or {})
     annotations = meta["annotations"] = dict(meta.get("annotations") or {})
     annotations[constants.ANNOTATION_SPEC_HASH] = get_spec_hash(manifest)
+    if sizes is not None and is_scaled(manifest):
+        annotations[constants.ANNOTATION_APPLIED_SIZES] = sizes.encoded()
     if suspended and is_scaled(manifest):
         seed = int(manifest.get("spec", {}).get("replicas", 1) or 0)
         if seed > 0:
@@ -138,38 +183,107 @@ def get_content_ops(desired: dict[str, Any], live: dict[str, Any]) -> list[dict[
     return ops
 
 
-def get_replica_ops(desired: dict[str, Any], live: dict[str, Any], suspended: bool) -> list[dict[str, Any]]:
-    """Suspend/resume of a scaled Deployment: scale to 0 and save the live count, or restore it.
-    Otherwise nothing: the live replicas are kept."""
+def get_applied_sizes(live: dict[str, Any]) -> dict[str, Any] | None:
+    """The size fields a live pool Deployment's replicas were last set from (ANNOTATION_APPLIED_SIZES), or
+    None when it has none (created before the annotation existed) or it does not parse as a JSON object."""
+    text = (live.get("metadata", {}).get("annotations") or {}).get(constants.ANNOTATION_APPLIED_SIZES)
+    try:
+        found = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def get_size_changes(applied: Mapping[str, Any], wanted: Mapping[str, Any]) -> str:
+    """The size fields that differ, as "path old -> new" joined by "; " (a missing field reads "unset")."""
+    return "; ".join(f"{key} {applied.get(key, 'unset')} -> {wanted.get(key, 'unset')}"
+                     for key in sorted(set(applied) | set(wanted)) if applied.get(key) != wanted.get(key))
+
+
+def plan_replicas(desired: dict[str, Any], live: dict[str, Any], suspended: bool,
+                  sizes: PoolSizes | None = None) -> ReplicaPlan:
+    """Who sets a scaled (inference/prefill/decode) Deployment's replicas in this reconcile (pure).
+
+    Args:
+        desired: the rendered Deployment; its ``spec.replicas`` is the spec's size for the pool (the seed).
+        live: the Deployment as the API server has it.
+        suspended: the run is suspended (or finished).
+        sizes: the spec's size fields and whether the autoscaler owns the replicas; None: the live replicas
+            are kept but for suspend/resume (the rule before the applied-sizes annotation existed).
+
+    Returns:
+        ReplicaPlan: ``ops`` that never carry ``replicas: null``, and Events. Rules:
+        - suspended: save the live count (ANNOTATION_REPLICAS_BEFORE_SUSPEND) and scale to 0;
+        - otherwise the current count is the saved one (resume: restored, the annotation removed) or the live
+          one, and it is kept, unless the spec's size fields differ from ANNOTATION_APPLIED_SIZES: with
+          autoscaling off the pool is set to the spec's size and the annotation to the new fields (Event
+          ``Resized`` naming the fields and the replicas old -> new, when the count changes); with autoscaling
+          on nothing changes (Event ``ResizeLeftToAutoscaler``, the annotation keeps the sizes last applied);
+        - a Deployment without a readable annotation (created before it existed) gets the current fields
+          stamped and keeps its replicas; nothing else is written while suspended.
+    """
     if not is_scaled(desired):
-        return []
+        return ReplicaPlan()
     annotations = live.get("metadata", {}).get("annotations") or {}
     saved = annotations.get(constants.ANNOTATION_REPLICAS_BEFORE_SUSPEND)
-    live_replicas = live.get("spec", {}).get("replicas", 1)
-    ann_path = _pointer("metadata", "annotations", constants.ANNOTATION_REPLICAS_BEFORE_SUSPEND)
+    live_replicas = live.get("spec", {}).get("replicas", 1)  # absent: the API server's default, 1
+    saved_path = _pointer("metadata", "annotations", constants.ANNOTATION_REPLICAS_BEFORE_SUSPEND)
+    sizes_path = _pointer("metadata", "annotations", constants.ANNOTATION_APPLIED_SIZES)
+    applied = get_applied_sizes(live) if sizes is not None else None
     ops: list[dict[str, Any]] = []
-    if suspended and live_replicas != 0:
-        ops.append({"op": "add", "path": ann_path, "value": str(live_replicas)})
-        ops.append({"op": "add", "path": "/spec/replicas", "value": 0})
-    elif not suspended and saved is not None:
-        ops.append({"op": "add", "path": "/spec/replicas", "value": int(saved)})
-        ops.append({"op": "remove", "path": ann_path})
-    return ops
+    events: list[EventSpec] = []
+    if sizes is not None and applied is None:  # adopt: the current spec counts as applied; nothing is resized
+        ops.append({"op": "add", "path": sizes_path, "value": sizes.encoded()})
+    if suspended:
+        if live_replicas != 0:
+            ops.append({"op": "add", "path": saved_path, "value": str(live_replicas)})
+            ops.append({"op": "add", "path": "/spec/replicas", "value": 0})
+        return ReplicaPlan(ops)
+    current = int(saved) if saved is not None else live_replicas
+    target = current
+    if sizes is not None and applied is not None and applied != dict(sizes.fields):
+        changes = get_size_changes(applied, sizes.fields)
+        component = desired["metadata"]["labels"][constants.LABEL_COMPONENT]
+        if sizes.autoscaled:
+            events.append(("Normal", constants.EVENT_RESIZE_LEFT_TO_AUTOSCALER,
+                           f"{changes}: not applied, spec.autoscaling.enabled lets the autoscaler own the replicas "
+                           f"(the spec's sizes are the initial split only)"))
+        else:
+            target = int(desired.get("spec", {}).get("replicas", 1))
+            ops.append({"op": "add", "path": sizes_path, "value": sizes.encoded()})
+            if target != current:
+                events.append(("Normal", constants.EVENT_RESIZED,
+                               f"{changes}: {component} replicas {current} -> {target}"))
+    if saved is not None:
+        ops.append({"op": "add", "path": "/spec/replicas", "value": target})
+        ops.append({"op": "remove", "path": saved_path})
+    elif target != live_replicas:
+        ops.append({"op": "add", "path": "/spec/replicas", "value": target})
+    return ReplicaPlan(ops, tuple(events))
 
 
-def plan_child(desired: dict[str, Any], live: dict[str, Any] | None, suspended: bool) -> Plan:
+def get_replica_ops(desired: dict[str, Any], live: dict[str, Any], suspended: bool,
+                    sizes: PoolSizes | None = None) -> list[dict[str, Any]]:
+    """The ops of plan_replicas (suspend/resume, and a resize to a changed spec when ``sizes`` is given)."""
+    return plan_replicas(desired, live, suspended, sizes).ops
+
+
+def plan_child(desired: dict[str, Any], live: dict[str, Any] | None, suspended: bool,
+               sizes: PoolSizes | None = None) -> Plan:
     """Decide how to converge one child (pure).
 
     Args:
         desired: the rendered manifest (without the spec-hash annotation).
         live: the object as the API server has it, or None when absent.
         suspended: the RLRun's spec.suspend.
+        sizes: the spec's pool size fields (plan_replicas); None keeps the live replicas of the pools.
 
     Returns:
-        Plan(create | patch | replace | none). A patch's ops start with a ``test`` of resourceVersion.
+        Plan(create | patch | replace | none), with the Events of plan_replicas (also on "none": a spec
+        resize left to the autoscaler). A patch's ops start with a ``test`` of resourceVersion.
     """
     if live is None:
-        return Plan("create", body=get_creatable(desired, suspended))
+        return Plan("create", body=get_creatable(desired, suspended, sizes))
     if desired["kind"] in CREATE_ONLY_KINDS:
         return Plan("none")
     live_hash = (live.get("metadata", {}).get("annotations") or {}).get(constants.ANNOTATION_SPEC_HASH)
@@ -180,7 +294,8 @@ def plan_child(desired: dict[str, Any], live: dict[str, Any] | None, suspended: 
     if changed:
         stamped = get_creatable(desired, suspended=False)
         ops += get_content_ops(stamped, live)
-    ops += get_replica_ops(desired, live, suspended)
+    replica_plan = plan_replicas(desired, live, suspended, sizes)
+    ops += replica_plan.ops
     # Label/annotation ops add single keys: create a missing map first (JSON patch needs the parent).
     live_meta = live.get("metadata", {})
     prefix = [{"op": "add", "path": _pointer("metadata", key), "value": {}} for key in ("labels", "annotations")
@@ -192,9 +307,10 @@ def plan_child(desired: dict[str, Any], live: dict[str, Any] | None, suspended: 
         if bool(live.get("spec", {}).get("suspend", False)) != wanted:
             ops.append({"op": "add", "path": "/spec/suspend", "value": wanted})
     if not ops:
-        return Plan("none")
+        return Plan("none", events=replica_plan.events)
     version = live.get("metadata", {}).get("resourceVersion")
-    return Plan("patch", ops=[{"op": "test", "path": "/metadata/resourceVersion", "value": version}] + ops)
+    return Plan("patch", ops=[{"op": "test", "path": "/metadata/resourceVersion", "value": version}] + ops,
+                events=replica_plan.events)
 
 
 def plan_prune(owner_uid: str, desired: list[dict[str, Any]], live: list[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -235,11 +351,12 @@ def _tested_version(ops: list[dict[str, Any]]) -> str | None:
 
 
 async def apply_child(api: KubeApi, desired: dict[str, Any], suspended: bool,
-                      assume_absent: bool = False) -> Outcome:
+                      assume_absent: bool = False, sizes: PoolSizes | None = None) -> Outcome:
     """Converge one child: GET (skipped on the first attempt when ``assume_absent``: a brand-new run),
-    plan, then create/patch/replace. A 404 or 409 re-reads and re-plans. A 422 on a patch re-plans only
-    when the resourceVersion ``test`` failed (the child changed since it was read: a newer resourceVersion
-    when read again); any other 422, and every 422 on create, means the object itself is invalid.
+    plan (``sizes``: plan_child's), then create/patch/replace. A 404 or 409 re-reads and re-plans. A 422 on
+    a patch re-plans only when the resourceVersion ``test`` failed (the child changed since it was read: a
+    newer resourceVersion when read again); any other 422, and every 422 on create, means the object itself
+    is invalid.
 
     Raises InvalidChild at once for an invalid object, ApplyConflict after MAX_ATTEMPTS conflicts,
     ApiError for any other API failure.
@@ -248,15 +365,16 @@ async def apply_child(api: KubeApi, desired: dict[str, Any], suspended: bool,
     namespace, name = meta["namespace"], meta["name"]
     for attempt in range(MAX_ATTEMPTS):
         live = None if (assume_absent and attempt == 0) else await api.get(kind, namespace, name)
-        plan = plan_child(desired, live, suspended)
+        plan = plan_child(desired, live, suspended, sizes)
         try:
             if plan.action == "none":
                 assert live is not None
-                return Outcome(kind, name, "none", live)
+                return Outcome(kind, name, "none", live, plan.events)
             if plan.action == "create":
                 return Outcome(kind, name, "create", await api.create(plan.body or {}))
             if plan.action == "patch":
-                return Outcome(kind, name, "patch", await api.json_patch(kind, namespace, name, plan.ops))
+                return Outcome(kind, name, "patch", await api.json_patch(kind, namespace, name, plan.ops),
+                               plan.events)
             if not (live or {}).get("metadata", {}).get("deletionTimestamp"):
                 # Foreground: the old Job stays until its pod is gone, so the create below answers 409
                 # (retried) instead of starting a second orchestrator next to the old one.
@@ -276,9 +394,10 @@ async def apply_child(api: KubeApi, desired: dict[str, Any], suspended: bool,
 
 
 async def apply_children(api: KubeApi, manifests: list[dict[str, Any]], suspended: bool,
-                         assume_absent: bool = False) -> list[Outcome]:
-    """Converge every rendered child, in the render's apply order. Returns one Outcome per manifest."""
-    return [await apply_child(api, m, suspended, assume_absent) for m in manifests]
+                         assume_absent: bool = False, sizes: PoolSizes | None = None) -> list[Outcome]:
+    """Converge every rendered child, in the render's apply order (``sizes``: plan_child's). Returns one
+    Outcome per manifest."""
+    return [await apply_child(api, m, suspended, assume_absent, sizes) for m in manifests]
 
 
 async def apply_prune(api: KubeApi, namespace: str, name: str, owner_uid: str,

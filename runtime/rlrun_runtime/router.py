@@ -19,13 +19,22 @@ from typing import Any, Mapping
 
 from rlrun_api import constants
 from rlrun_api.views import RouterView
-from rlrun_runtime.role import RoleConfigError, env_bind_host, env_list, env_port, env_required, load_spec
+from rlrun_runtime.role import RoleConfigError, env_bind_host, env_list, env_port, env_required, load_spec, role_main
 from rlrun_runtime.role_exec import exec_server
 
 ROUTER_MODULE = "vllm_router.launch_router"
 # vllm-router waits for static workers to report healthy, polling every 30 s by default; vLLM on CPU is
 # ready in ~40 s, so a 30 s poll would add up to 30 s to every local start.
 WORKER_STARTUP_CHECK_INTERVAL_S = 1
+# vllm-router marks a worker unhealthy after 3 consecutive GET /health checks (one every 60 s) that each take
+# longer than --health-check-timeout-secs (default 5 s), without logging it, and then answers every request
+# "503 No available workers: 1 prefill, 0 decode" until two checks pass again. A loaded vLLM API server on a
+# small CPU machine answers HTTP late: at batch 128 under P/D on 2 cores the decode server left GET
+# /weight_info unanswered for 2 x 10 s and the router dropped it after 11 steps although it was serving
+# (2026-12-01; reproduced with a /health that takes 8 s: dropped at the 5 s default, kept at 10 s). 60 s is
+# above every delay measured (27 s with the machine at load 16); a dead server (connection refused) is still
+# dropped after 3 checks, and the orchestrator's watchdog reports a silent engine long before that.
+HEALTH_CHECK_TIMEOUT_S = 60
 URLS = "http://host:port URLs"  # what the URL env vars list, for their error message
 
 
@@ -61,6 +70,7 @@ def get_router_args(spec: Mapping[str, Any], env: Mapping[str, str]) -> list[str
         "--prometheus-port", str(env_port(env, constants.ENV_ROUTER_METRICS_PORT, constants.ROUTER_METRICS_PORT)),
         "--policy", view.policy,
         "--worker-startup-check-interval", str(WORKER_STARTUP_CHECK_INTERVAL_S),
+        "--health-check-timeout-secs", str(HEALTH_CHECK_TIMEOUT_S),
     ]
     if disaggregated:
         args.append("--vllm-pd-disaggregation")
@@ -94,15 +104,12 @@ def get_router_args(spec: Mapping[str, Any], env: Mapping[str, str]) -> list[str
     return args
 
 
+@role_main("router")
 def main(argv: list[str]) -> int:
     """Build the router command from ``--config`` and the env, then exec it (returns 2 on bad input)."""
     parser = argparse.ArgumentParser(prog="rlrun-runtime router", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the RLRun YAML")
     parser.add_argument("--dry-run", action="store_true", help="print the router command instead of running it")
     ns = parser.parse_args(argv)
-    try:
-        args = get_router_args(load_spec(ns.config), os.environ)
-    except RoleConfigError as err:
-        print(f"rlrun-runtime router: {err}", file=sys.stderr)
-        return 2
+    args = get_router_args(load_spec(ns.config), os.environ)
     return exec_server("router", [sys.executable, "-m", ROUTER_MODULE, *args], os.environ, ns.dry_run)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from rlrun_api import constants as c
 from rlrun_api.validation import check_trainer_implemented
 from rlrun_api.views import TrainerView
-from rlrun_runtime.role import RoleConfigError, env_bind_host, env_port, env_required, load_spec
+from rlrun_runtime.role import RoleConfigError, env_bind_host, env_port, env_required, load_spec, role_main
 
 from . import checkpoint as ckpt
 from .loss import LossMetrics, policy_loss, token_logprobs
@@ -481,6 +481,7 @@ def _format_optional(value: float | None) -> str:
     return "-" if value is None else f"{value:.2e}"
 
 
+@role_main("trainer")
 def main(argv: list[str] | None = None) -> int:
     """``rlrun-runtime trainer --config PATH`` (under torchrun); exit code 0 after maxSteps, 2 on bad input."""
     parser = argparse.ArgumentParser(prog="rlrun-runtime trainer", description=__doc__.splitlines()[0])
@@ -492,21 +493,17 @@ def main(argv: list[str] | None = None) -> int:
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
+    cfg = load_trainer_config(args.config)
+    storage = RunStorage(env_required(os.environ, c.ENV_STORAGE_DIR))
+    metrics_port = env_port(os.environ, c.ENV_TRAINER_METRICS_PORT, c.TRAINER_METRICS_PORT, allow_off=True)
+    model_path = resolve_model(cfg, storage)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    unsupported = get_unsupported_fields(cfg, world_size)
+    if unsupported:
+        raise RoleConfigError("; ".join(unsupported))
+    rank, world, device = init_distributed(cfg.use_gpu)
     try:
-        cfg = load_trainer_config(args.config)
-        storage = RunStorage(env_required(os.environ, c.ENV_STORAGE_DIR))
-        metrics_port = env_port(os.environ, c.ENV_TRAINER_METRICS_PORT, c.TRAINER_METRICS_PORT, allow_off=True)
-        model_path = resolve_model(cfg, storage)
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        unsupported = get_unsupported_fields(cfg, world_size)
-        if unsupported:
-            raise RoleConfigError("; ".join(unsupported))
-        rank, world, device = init_distributed(cfg.use_gpu)
-        try:
-            trainer = Trainer(cfg, storage, model_path, rank, world, device)
-            return trainer.run(metrics_port or None)
-        finally:
-            dist.destroy_process_group()
-    except RoleConfigError as exc:
-        print(f"rlrun-runtime trainer: {exc}", file=sys.stderr)
-        return 2
+        trainer = Trainer(cfg, storage, model_path, rank, world, device)
+        return trainer.run(metrics_port or None)
+    finally:
+        dist.destroy_process_group()

@@ -697,3 +697,64 @@ def test_the_failure_reaches_the_termination_message_file_when_there_is_one(tmp_
     assert write_termination_message("é" * 3000, str(path)) is True  # capped at 4096 bytes, still UTF-8
     text = path.read_text(encoding="utf-8")
     assert text == "é" * 2048 and len(text.encode()) == 4096
+
+
+def test_the_loop_wait_counters_follow_the_gate_and_the_trainers_metrics(tmp_path, fake_engines):
+    """The autoscaler's two wait counters, from the real batch loop against a stand-in engine and a
+    stand-in trainer that writes metrics.jsonl lines: the gate's counts while the gate holds batch 3 and
+    equals the batch files' gate_wait_seconds; the trainer's counts provisionally while the batch after its
+    newest logged step is missing, takes the trainer's own wait_seconds, never decreases, and leaves out
+    the lines logged before the orchestrator started."""
+    from rlrun_runtime.storage import append_jsonl
+
+    orchestrator, _, _ = shaped_orchestrator(tmp_path, fake_engines, ParityEnv(), maxSteps=3, maxAsyncLevel=1)
+    storage, metrics = orchestrator.storage, orchestrator.metrics
+    get = metrics.registry.get_sample_value
+    data_wait = lambda: get(constants.METRIC_DATA_WAIT_SECONDS + "_total")  # noqa: E731
+    gate_wait = lambda: get(constants.METRIC_GATE_WAIT_SECONDS + "_total")  # noqa: E731
+    append_jsonl(storage.metrics_file, {"step": 0, "wait_seconds": 50.0})  # before the start: not counted
+
+    async def scenario():
+        watcher = asyncio.create_task(orchestrator.trainer_wait_loop(poll_s=0.01))
+        batches = asyncio.create_task(orchestrator.batch_loop(1, 0, 0))
+        try:
+            # the newest line (step 0) says the trainer needs batch 1: provisional wait until it is written
+            await wait_until(lambda: orchestrator.trainer_needs == 1, 30, "the history line is read")
+            # loaded version 0, maxAsyncLevel 1: batches 1 and 2 go, the gate holds batch 3
+            await wait_until(lambda: storage.rollout_batch(2).is_file() and metrics.gate_wait.waiting, 60,
+                             "batch 2 written, the gate closed on batch 3")
+            assert not metrics.data_wait.waiting  # batch 1 exists: the provisional wait ended there
+            provisional = data_wait()
+            assert 0 <= provisional < 50.0
+            # the trainer logs step 1 (its own wait: 0.25 s): confirmed; it needs batch 2, which exists
+            append_jsonl(storage.metrics_file, {"step": 1, "wait_seconds": 0.25})
+            await wait_until(lambda: orchestrator.trainer_needs == 2, 30, "the step-1 line is read")
+            assert not metrics.data_wait.waiting and data_wait() == pytest.approx(max(provisional, 0.25))
+            # the trainer logs step 2: batch 3 is held by the gate, so the trainer waits from now on
+            append_jsonl(storage.metrics_file, {"step": 2, "wait_seconds": 0.5})
+            await wait_until(lambda: orchestrator.trainer_needs == 3 and metrics.data_wait.waiting, 30,
+                             "the step-2 line is read, batch 3 missing")
+            first = data_wait(), gate_wait()
+            await wait_until(lambda: data_wait() > first[0] and gate_wait() > first[1], 30,
+                             "both waits in progress count up between scrapes")
+            # version 1 is loaded: the gate opens, batch 3 is written, both waits end
+            orchestrator.loaded_version = 1
+            orchestrator.version_changed.set()
+            await asyncio.wait_for(batches, 60)
+            assert not metrics.gate_wait.waiting and not metrics.data_wait.waiting
+            ended = data_wait(), gate_wait()
+            await asyncio.sleep(0.05)
+            assert (data_wait(), gate_wait()) == ended  # flat once nobody waits
+            return ended
+        finally:
+            watcher.cancel()
+            batches.cancel()
+            await asyncio.gather(watcher, batches, return_exceptions=True)
+            await orchestrator._http().aclose()
+
+    trainer_wait_s, gate_wait_s = asyncio.run(scenario())
+    batches = [json.loads(storage.rollout_batch(step).read_text()) for step in (1, 2, 3)]
+    # the batch files round to ms; the counter reads the same clock around the same wait
+    assert gate_wait_s == pytest.approx(sum(b["gate_wait_seconds"] for b in batches), abs=0.005)
+    assert batches[2]["gate_wait_seconds"] > 0
+    assert trainer_wait_s >= 0.25 + 0.5 and trainer_wait_s < 50.0

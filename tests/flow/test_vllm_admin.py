@@ -326,3 +326,65 @@ def test_a_damaged_or_mismatched_version_pauses_nothing(stand_in, tmp_path, dama
     with pytest.raises(ValueError, match=match):
         asyncio.run(update_engines([url], 4, FilesystemTransport(storage), previous=3))
     assert handler.calls == [] and handler.paused is False
+
+
+# --- prefill/decode ordering (issue 7 section 1) ------------------------------------------------------------
+
+def start_engine(name: str, timeline: list[tuple[str, str]], release: threading.Event,
+                 slow: dict[str, float] | None = None) -> tuple[type, str, http.server.ThreadingHTTPServer]:
+    """A stand-in engine that also logs (name, call) into ``timeline``; ``slow`` holds a call for seconds
+    before answering (a decode pause waiting for its pending KV loads)."""
+
+    class Logged(StandInEngine):
+        def do_POST(self):  # noqa: N802
+            call = self.path.split("?")[0]
+            time.sleep((slow or {}).get(call, 0.0))
+            timeline.append((name, call))
+            super().do_POST()
+
+    handler = type(name, (Logged,), {"failures": {}, "calls": [], "paused": False, "version": "3",
+                                     "release": release})
+    server = http.server.ThreadingHTTPServer((LOOPBACK, 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return handler, f"http://{LOOPBACK}:{server.server_address[1]}", server
+
+
+@pytest.mark.parametrize("failing", [None, "prefill-load", "decode-pause"])
+def test_pd_update_pauses_decode_first_and_resumes_prefill_first(tmp_path, failing):
+    """Decode's pause (slow: it waits for pending KV loads, which need prefill running) returns before prefill
+    is paused; prefill resumes before decode. A failing engine does not hold the other one up."""
+    storage = RunStorage(tmp_path)
+    write_version(storage, 3)
+    write_version(storage, 4)
+    timeline: list[tuple[str, str]] = []
+    release = threading.Event()
+    prefill, prefill_url, prefill_server = start_engine("prefill", timeline, release)
+    decode, decode_url, decode_server = start_engine("decode", timeline, release, slow={"/pause": 0.5})
+    if failing == "prefill-load":  # load and restore fail: prefill is left paused, decode must still resume
+        prefill.failures.update({f"/collective_rpc:{storage.weights(4)}": "500",
+                                 f"/collective_rpc:{storage.weights(3)}": "500"})
+    elif failing == "decode-pause":
+        decode.failures.update({"/pause": "500"})
+    try:
+        run = update_engines([decode_url, prefill_url], 4, FilesystemTransport(storage), previous=3,
+                             prefill=[prefill_url], timeout_s=5.0, retries=0)
+        if failing is None:
+            updates = asyncio.run(run)
+            assert {u.engine: u.reported_version for u in updates} == {decode_url: 4, prefill_url: 4}
+        else:
+            with pytest.raises(EngineError):
+                asyncio.run(run)
+    finally:
+        release.set()
+        for server in (prefill_server, decode_server):
+            server.shutdown()
+            server.server_close()
+    order = [entry for entry in timeline if entry[1] in ("/pause", "/resume")]
+    # (a failed decode pause too is over before prefill pauses)
+    assert order.index(("decode", "/pause")) < order.index(("prefill", "/pause"))
+    if failing == "prefill-load":
+        assert ("prefill", "/resume") not in order and prefill.paused is True
+        assert decode.paused is False
+    else:
+        assert order.index(("prefill", "/resume")) < order.index(("decode", "/resume"))
+        assert prefill.paused is False and decode.paused is False

@@ -1,8 +1,8 @@
-"""`rlrun local` with real processes: the supervisor, bad input (exit 2), and the end-to-end run."""
+"""`rlrun local` with real processes: the supervisor, bad input (exit 2) through the console script, and
+the end-to-end run (the in-process input checks are in tests/unit/test_local_input.py)."""
 
 from __future__ import annotations
 
-import io
 import os
 import subprocess
 import sys
@@ -14,7 +14,6 @@ import pytest
 import yaml
 
 from rlrun_api import constants as c
-from rlrun_runtime import local
 from rlrun_runtime.local.plan import ProcessSpec
 from rlrun_runtime.local.processes import Supervisor, read_process_table
 from rlrun_runtime.local.progress import parse_metrics_lines
@@ -153,46 +152,9 @@ def _write(tmp_path, rlrun, name="run.yaml"):
     return path
 
 
-def _run_main(args):
-    out, err = io.StringIO(), io.StringIO()
-    code = local.main([str(a) for a in args], out=out, err=err)
-    return code, out.getvalue(), err.getvalue()
-
-
-def test_invalid_spec_exits_2_with_field_lines(tiny_rlrun, tmp_path):
-    tiny_rlrun["spec"]["algorithm"]["batchSize"] = 60  # not a multiple of rolloutsPerPrompt 8
-    path = _write(tmp_path, tiny_rlrun)
-    code, out, err = _run_main([path, "--output-dir", tmp_path / "o"])
-    assert code == 2
-    assert f"{path}: spec.algorithm.batchSize: " in err
-    assert not (tmp_path / "o").exists()
-
-
-def test_unknown_environment_exits_2(tiny_rlrun, tmp_path):
-    tiny_rlrun["spec"]["environment"] = {"type": "reasoning-gym", "name": "no_such_dataset"}
-    path = _write(tmp_path, tiny_rlrun)
-    code, _, err = _run_main([path, "--output-dir", tmp_path / "o"])
-    assert code == 2 and f"{path}: spec.environment.name: 'no_such_dataset'" in err
-
-
-def test_missing_model_path_exits_2(tiny_rlrun, tmp_path):
-    tiny_rlrun["spec"]["model"]["name"] = str(tmp_path / "nowhere")
-    path = _write(tmp_path, tiny_rlrun)
-    code, _, err = _run_main([path, "--output-dir", tmp_path / "o"])
-    assert code == 2 and "spec.model.name:" in err and "no config.json" in err
-
-
-def test_existing_run_needs_resume(tiny_rlrun, tmp_path):
-    out_dir = tmp_path / "o"
-    (out_dir / "checkpoints").mkdir(parents=True)
-    path = _write(tmp_path, tiny_rlrun)
-    code, _, err = _run_main([path, "--output-dir", out_dir])
-    assert code == 2 and "--resume" in err and "--output-dir" in err
-
-
-def test_cli_bad_input_has_no_traceback(tiny_rlrun, tmp_path):
-    tiny_rlrun["spec"]["environment"]["name"] = "reverse-wordz"
-    path = _write(tmp_path, tiny_rlrun)
+def test_cli_bad_input_has_no_traceback(tiny_example, tmp_path):
+    tiny_example["spec"]["environment"]["name"] = "reverse-wordz"
+    path = _write(tmp_path, tiny_example)
     proc = subprocess.run(RLRUN + ["local", str(path), "--output-dir", str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
@@ -217,10 +179,10 @@ def _processes_of_run(storage_dir: Path) -> list[int]:
 @pytest.mark.router
 @pytest.mark.e2e
 @pytest.mark.timeout(480)
-def test_rlrun_local_tiny_run_end_to_end(tiny_rlrun, tmp_path):
+def test_rlrun_local_tiny_run_end_to_end(tiny_example, tmp_path):
     """The real thing, shortened to 2 steps: vLLM on CPU, router, orchestrator, torchrun trainer."""
-    tiny_rlrun["spec"]["algorithm"]["maxSteps"] = 2
-    path = _write(tmp_path, tiny_rlrun)
+    tiny_example["spec"]["algorithm"]["maxSteps"] = 2
+    path = _write(tmp_path, tiny_example)
     out_dir = tmp_path / "out"
     started = time.monotonic()
     proc = subprocess.run(RLRUN + ["local", str(path), "--output-dir", str(out_dir)],
@@ -264,31 +226,6 @@ def test_roles_die_with_a_killed_supervisor(tmp_path):
     while _live([child]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _live([child]) == []
-
-
-def test_gpu_specs_are_refused_before_anything_starts_on_a_machine_without_them():
-    from rlrun_runtime.local import LocalInputError, check_gpus
-
-    spec = {"trainer": {"gpusPerNode": 8}, "inference": {"gpusPerReplica": 1}}
-    with pytest.raises(LocalInputError, match=r"spec.trainer.gpusPerNode: 8, spec.inference.gpusPerReplica: 1 "
-                                              r"GPU\(s\) per pod, but this machine shows 0; set"):
-        check_gpus("run.yaml", spec, visible_gpus=0)
-    check_gpus("run.yaml", spec, visible_gpus=8)
-    check_gpus("run.yaml", {"trainer": {"gpusPerNode": 0}, "inference": {"gpusPerReplica": 0}}, visible_gpus=0)
-
-
-def test_a_failed_role_is_reported_with_its_own_error_line(tmp_path):
-    from rlrun_runtime.local import get_role_error
-
-    log = tmp_path / "trainer.log"
-    log.write_text("rlrun-runtime inference: /x/python -m vllm.entrypoints.openai.api_server --model m\n"
-                   "rlrun-runtime trainer: spec.trainer.gpusPerNode: > 0 but no CUDA device is visible; set it to 0\n"
-                   "Traceback (most recent call last):\n  torch.distributed.elastic...ChildFailedError\n")
-    assert get_role_error(log) == ("rlrun-runtime trainer: spec.trainer.gpusPerNode: > 0 but no CUDA device is "
-                                   "visible; set it to 0")
-    log.write_text("rlrun-runtime inference: /x/python -m vllm.entrypoints.openai.api_server --model m\nboom\n")
-    assert get_role_error(log) is None
-    assert get_role_error(tmp_path / "missing.log") is None
 
 
 def test_gpu_example_exits_2_naming_the_fields(tmp_path):

@@ -17,17 +17,31 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rlrun_api import constants
 from rlrun_runtime.rollouts import get_completion_request, parse_completion_choice
-from rlrun_runtime.storage import RunStorage, atomic_directory
+from rlrun_runtime.storage import RunStorage, append_jsonl, atomic_directory
 from vllm_role import LOOPBACK, free_port, inference_server, role_env, stop_group, tiny_rlrun, write_config
+
+DATA_WAIT = constants.METRIC_DATA_WAIT_SECONDS + "_total"
+
 
 def scrape(port: int) -> dict[str, float]:
     text = httpx.get(f"http://{LOOPBACK}:{port}/metrics", timeout=5).text
     return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def scrape_when(port: int, condition, timeout_s: float = 60.0) -> dict[str, float]:
+    """Scrape until ``condition(metrics)`` holds; fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition(metrics := scrape(port)):
+        assert time.monotonic() < deadline, f"metrics never met the condition: {metrics}"
+        time.sleep(0.05)
+    return metrics
+
+
 class StandInTrainer(threading.Thread):
-    """Trains nothing: for each step waits for its batch, checks it, 'trains' for ``train_s`` and publishes
-    the initial model as the next policy version. Records what existed at each moment."""
+    """Trains nothing: for each step waits for its batch, checks it, 'trains' for ``train_s``, publishes
+    the initial model as the next policy version and logs its wait in metrics.jsonl (``wait_seconds``, as
+    the real trainer does, after the publish). Records what existed at each moment. Its last scrape waits
+    until the orchestrator has counted the wait of every line logged before it."""
 
     def __init__(self, storage: RunStorage, steps: range, spec_algorithm: dict, metrics_port: int, train_s: float):
         super().__init__(daemon=True)
@@ -36,24 +50,31 @@ class StandInTrainer(threading.Thread):
         self.seen: list[dict] = []
         self.error: BaseException | None = None
         self.metrics: list[dict[str, float]] = []
+        self.waits: list[float] = []
 
     def run(self):
         try:
             for step in self.steps:
                 path = self.storage.rollout_batch(step)
-                deadline = time.monotonic() + 300
+                started = time.monotonic()
+                deadline = started + 300
                 while not path.exists():
                     assert time.monotonic() < deadline, f"batch {step} never came"
                     time.sleep(0.05)
+                self.waits.append(time.monotonic() - started)
                 batch = json.loads(path.read_text())
                 time.sleep(self.train_s)
                 self.seen.append({"step": step, "batch": batch,
                                   "next_batch_ready_before_publish": self.storage.rollout_batch(step + 1).exists(),
                                   "batch_after_next_ready_before_publish": self.storage.rollout_batch(step + 2).exists()})
-                self.metrics.append(scrape(self.metrics_port))
+                logged = sum(self.waits[:-1])
+                last = step == self.steps[-1]
+                self.metrics.append(scrape_when(self.metrics_port, lambda m: m.get(DATA_WAIT, 0) >= logged - 1e-6)
+                                    if last else scrape(self.metrics_port))
                 with atomic_directory(self.storage.weights(step)) as tmp:
                     for entry in self.storage.model_dir.iterdir():
                         shutil.copy2(entry, tmp / entry.name)
+                append_jsonl(self.storage.metrics_file, {"step": step, "wait_seconds": self.waits[-1]})
         except BaseException as err:  # reported by the test
             self.error = err
 
@@ -104,6 +125,7 @@ def test_real_run_async_gate_weight_updates_metrics_and_resume(tmp_path, router)
     rlrun = tiny_rlrun(maxSteps=3, maxAsyncLevel=1, maxOffPolicySteps=1, batchSize=16, rolloutsPerPrompt=4)
     config = write_config(tmp_path / "run.yaml", rlrun)
     with inference_server(config, storage_dir, tmp_path / "vllm.log") as engine_url:
+        started_at = time.time()
         router_url = router(config, engine_url)
         port = free_port()
         trainer = StandInTrainer(storage, range(1, 4), rlrun["spec"]["algorithm"], port, train_s=2.0)
@@ -131,6 +153,16 @@ def test_real_run_async_gate_weight_updates_metrics_and_resume(tmp_path, router)
         assert trainer.metrics[-1][constants.METRIC_LAST_REWARD] == pytest.approx(
             json.loads(storage.rollout_batch(3).read_text())["reward_mean"])
         assert trainer.metrics[-1]["rlrun_orchestrator_rollouts_total"] >= 48
+        # what the autoscaler reads (read at step 3, after batch 3: no gate wait is left to come)
+        loop = trainer.metrics[-1]
+        assert loop[constants.METRIC_WEIGHT_UPDATES + "_total"] >= 1  # version 1 was loaded before batch 3
+        assert started_at <= loop[constants.METRIC_LAST_RESUME_TIME] <= time.time()
+        gate_waits = [json.loads(storage.rollout_batch(s).read_text())["gate_wait_seconds"] for s in (1, 2, 3)]
+        assert gate_waits[2] > 0  # batch 3 waited for version 1, which step 1's 2 s of training held back
+        assert loop[constants.METRIC_GATE_WAIT_SECONDS + "_total"] == pytest.approx(sum(gate_waits), abs=0.01)
+        # the trainer's waits: steps 1 and 2 logged; step 3's wait (done) may be counted provisionally
+        waits = trainer.waits
+        assert sum(waits[:2]) - 1e-6 <= loop[DATA_WAIT] <= sum(waits) + 0.05, (loop[DATA_WAIT], waits)
 
         # every engine reports the final version; older weight directories were removed
         assert httpx.get(f"{engine_url}/weight_info").json()["weight_version"] == "3"
@@ -164,6 +196,9 @@ def test_real_run_async_gate_weight_updates_metrics_and_resume(tmp_path, router)
                                 tmp_path / "orchestrator2.log")
         log2 = (tmp_path / "orchestrator2.log").read_text()
         assert code == 0, log2[-3000:]
+        # a new orchestrator counts only the lines logged after it started (not steps 1-3's waits)
+        waits = trainer2.waits
+        assert waits[0] - 1e-6 <= trainer2.metrics[-1][DATA_WAIT] <= sum(waits) + 0.05, (trainer2.metrics, waits)
         assert "starting at batch 4, prompt cursor %d" % state["prompt_cursor"] in log2
         batch4 = json.loads(storage.rollout_batch(4).read_text())
         assert min(s["group"] for s in batch4["samples"]) >= state["prompt_cursor"]

@@ -2,14 +2,12 @@
 weights published per step and loadable by transformers, metrics lines and Prometheus gauges, checkpoints,
 SIGKILL mid-run and resume with no lost or repeated step (and the same final weights as an uninterrupted run
 on two ranks),
-bad input exits 2; plus the pure LR schedule and metrics truncation."""
+bad input exits 2 (the pure parts are in tests/unit/test_trainer_role.py)."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -24,12 +22,11 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from rlrun_runtime.checkpoint import find_latest_checkpoint, truncate_metrics
-from rlrun_runtime.storage import RunStorage, atomic_write_json
-from rlrun_api.spec import apply_defaults
-from rlrun_api.views import TrainerView
-from rlrun_runtime.trainer import get_lr_factor, get_unsupported_fields
-from tiny_qwen3 import VOCAB, save_model_dir
+from rlrun_runtime.checkpoint import find_latest_checkpoint
+from rlrun_runtime.storage import RunStorage
+from rlrun_runtime.trainer import get_lr_factor
+from tiny_qwen3 import save_model_dir
+from trainer_batches import write_batch
 
 MAX_STEPS = 5
 EMPTY_STEP = 4
@@ -60,20 +57,7 @@ def _write_config(tmp: Path, model: str) -> Path:
 
 
 def _write_batch(storage: RunStorage, step: int) -> None:
-    rng = random.Random(step)
-    samples = []
-    for group in range(2):
-        for k in range(4):
-            completion = [rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 8))]
-            samples.append({
-                "prompt_ids": [rng.randrange(2, VOCAB) for _ in range(4)], "completion_ids": completion,
-                "inference_logprobs": [-math.log(VOCAB) + rng.uniform(-0.3, 0.3) for _ in completion],
-                "reward": k / 3, "advantage": k / 3 - 0.5, "policy_version": step - 1, "group": group,
-            })
-    batch = {"step": step, "policy_versions": [step - 1], "dropped_stale_groups": step % 2, "samples": samples}
-    if step == EMPTY_STEP:  # the orchestrator dropped every group (no signal): nothing to train on
-        batch.update(samples=[], reward_mean=1.0, dropped_zero_advantage_groups=2)
-    atomic_write_json(storage.rollout_batch(step), batch)
+    write_batch(storage, step, empty=step == EMPTY_STEP)  # the orchestrator dropped every group at EMPTY_STEP
 
 
 def _start(config: Path, storage: RunStorage, metrics_port: int = 0, nproc: int = 1) -> subprocess.Popen:
@@ -211,30 +195,3 @@ def test_missing_model_path_exits_2_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "spec.model.name" in proc.stderr and "no-such-model" in proc.stderr
     assert "Traceback" not in proc.stderr
-
-
-def test_lr_schedules():
-    assert [get_lr_factor(s, "constant", 2, 6) for s in range(1, 7)] == [0.5, 1, 1, 1, 1, 1]
-    assert [get_lr_factor(s, "linear", 2, 6) for s in range(1, 7)] == [0.5, 1, 1, 0.75, 0.5, 0.25]
-    assert [get_lr_factor(s, "cosine", 0, 3) for s in range(1, 4)] == pytest.approx([1, 0.75, 0.25])
-    with pytest.raises(ValueError, match="lrSchedule"):
-        get_lr_factor(1, "step", 0, 3)
-
-
-def test_truncate_metrics_keeps_steps_up_to_checkpoint(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "lo')
-    assert truncate_metrics(path, 2) == 2
-    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
-
-
-def test_unimplemented_spec_fields_are_refused():
-    def spec(**trainer):
-        return TrainerView.from_spec(apply_defaults({"spec": {
-            "model": {"name": "m"}, "environment": {"type": "builtin", "name": "x"}, "trainer": trainer}})["spec"])
-
-    assert get_unsupported_fields(spec(), world_size=2) == []
-    assert get_unsupported_fields(spec(parallelism={"fsdp": 2}), world_size=2) == []
-    found = get_unsupported_fields(spec(lora={"rank": 8}, quantization="fp8", parallelism={"cp": 2, "fsdp": 4}), 2)
-    assert [f.split(":")[0] for f in found] == ["spec.trainer.lora.rank", "spec.trainer.quantization",
-                                                "spec.trainer.parallelism.cp", "spec.trainer.parallelism.fsdp"]

@@ -21,6 +21,9 @@ in-memory object store served over HTTP. What it lacks and this layer adds, the 
   create and on every patch of the main resource: an invalid object answers 422 Invalid, as
   kube-apiserver does, and is not stored. (Not the server's full validation: schema and unknown fields
   only, no cross-field rules.)
+Optionally (``defaulter``, off unless a test sets it): the API server's defaulting of the fields it fills in
+(a function of (kind, object) that adds them in place), applied like kube-apiserver does on create and on every
+write of the main resource, before validation and before the generation is compared.
 Every write request (POST, PUT, PATCH, DELETE) is recorded in ``writes`` for the tests to count (kmock's
 own request views only see the requests in flight: see ``__iter__``).
 Not emulated (the operator must not rely on them): admission, schema validation and defaulting, field
@@ -36,7 +39,7 @@ import datetime
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import jsonpatch
 import kmock
@@ -145,6 +148,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self.revision = 0
         self.check_kinds = False
+        # (kind, object) -> None, adding server-defaulted fields in place (None: no defaulting); see _default.
+        self.defaulter: Callable[[str, dict[str, Any]], None] | None = None
         self.foreground: set[Any] = set()  # keys of objects in foreground deletion
         self.writes: list[Write] = []
         self.write_lock = asyncio.Lock()
@@ -280,9 +285,15 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             meta.setdefault("namespace", request.namespace)
         body.setdefault("apiVersion", _api_version(request.resource))
         body.setdefault("kind", kind)
+        self._default(kind, body)
         self._check(kind, body)
         meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_revision(), generation=1,
                     creationTimestamp=_now())
+
+    def _default(self, kind: str, obj: dict[str, Any]) -> None:
+        """Fill in the server-defaulted fields of ``obj`` (in place) when a test set ``defaulter``."""
+        if self.defaulter is not None:
+            self.defaulter(kind, obj)
 
     def _check(self, kind: str, obj: dict[str, Any]) -> None:
         """Raise 422 Invalid for a built-in object the official schema refuses (when ``check_kinds``)."""
@@ -327,6 +338,8 @@ class FidelityEmulator(kmock.KubernetesEmulator):
         for immutable in ("uid", "creationTimestamp", "namespace", "name"):
             if immutable in old.get("metadata", {}):
                 meta[immutable] = old["metadata"][immutable]
+        if request.subresource is None:
+            self._default(kind, new)
         content_old = {k: v for k, v in old.items() if k not in ("metadata", "status")}
         content_new = {k: v for k, v in new.items() if k not in ("metadata", "status")}
         if content_old != content_new:

@@ -32,7 +32,7 @@ import yaml
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT
+from example_runs import ROOT
 from rlrun_api import validation
 from rlrun_cli.main import main as rlrun_main, prepare_for_render
 from rlrun_gen import FIX_WORDS, SCHEMA, SETTINGS, TINY, mutations, valid_runs

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import EXAMPLES, ROOT
+from example_runs import EXAMPLES, ROOT
 from rlrun_api import __version__
 
 RLRUN = Path(sys.executable).parent / "rlrun"
@@ -117,7 +117,7 @@ def test_render_prints_manifests_in_the_default_namespace() -> None:
 
 def test_render_prints_what_the_operator_creates_with_its_spec_hash() -> None:
     from rlrun_api import constants, spec
-    from rlrun_operator import apply
+    from rlrun_operator import apply, reconcile
     from rlrun_operator.render import render
 
     result = rlrun("render", TINY)
@@ -126,7 +126,10 @@ def test_render_prints_what_the_operator_creates_with_its_spec_hash() -> None:
     run = spec.apply_defaults(yaml.safe_load(Path(TINY).read_text()))
     run["metadata"]["namespace"] = "default"
     rendered = render(run)
-    assert docs == [apply.get_creatable(m, suspended=False) for m in rendered]
+    sizes = reconcile.get_pool_sizes(run["spec"])
+    assert docs == [apply.get_creatable(m, suspended=False, sizes=sizes) for m in rendered]
+    inference = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "tiny-reverse-inference")
+    assert inference["metadata"]["annotations"][constants.ANNOTATION_APPLIED_SIZES] == '{"spec.inference.replicas":1}'
     for doc, manifest in zip(docs, rendered):
         # The hash the operator compares with on every reconcile (plan_child).
         assert doc["metadata"]["annotations"][constants.ANNOTATION_SPEC_HASH] == apply.get_spec_hash(manifest)

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import yaml
 
-from conftest import EXAMPLES, ROOT
+from example_runs import EXAMPLES, ROOT
 from rlrun_api import cel, constants, documents, spec, validation
 
 CRD_PATH = ROOT / "crds" / "rlrun.yaml"

@@ -65,8 +65,8 @@ def _service_names(manifests) -> list[str]:
     return [m["metadata"]["name"] for m in manifests if m["kind"] == "Service"]
 
 
-def test_plan_tiny_example_runs_rendered_commands_locally(tiny_rlrun, tmp_path):
-    manifests = _rendered(tiny_rlrun)
+def test_plan_tiny_example_runs_rendered_commands_locally(tiny_example, tmp_path):
+    manifests = _rendered(tiny_example)
     plan = _plan(manifests, tmp_path, {"PATH": "/usr/bin", "HOME": "/home/x"})
     names = [p.name for p in plan.processes]
     assert names == ["tiny-reverse-trainer-0", "tiny-reverse-inference-0", "tiny-reverse-router-0",
@@ -119,11 +119,11 @@ def test_plan_tiny_example_runs_rendered_commands_locally(tiny_rlrun, tmp_path):
     assert plan.warnings == ()
 
 
-def test_plan_disaggregated_gives_every_replica_its_own_ports(tiny_rlrun, tmp_path):
-    tiny_rlrun["spec"]["inference"]["disaggregation"] = {"enabled": True, "ratio": "1:2", "replicas": 3}
-    tiny_rlrun["spec"]["pod"] = {"env": [{"name": "FOO", "value": "x-$(RLRUN_RUN_NAME)"}],
+def test_plan_disaggregated_gives_every_replica_its_own_ports(tiny_example, tmp_path):
+    tiny_example["spec"]["inference"]["disaggregation"] = {"enabled": True, "ratio": "1:2", "replicas": 3}
+    tiny_example["spec"]["pod"] = {"env": [{"name": "FOO", "value": "x-$(RLRUN_RUN_NAME)"}],
                                  "envFrom": [{"secretRef": {"name": "tokens"}}]}
-    manifests = _rendered(tiny_rlrun)
+    manifests = _rendered(tiny_example)
     plan = _plan(manifests, tmp_path)
     prefill, decode = plan.by_component("prefill"), plan.by_component("decode")
     assert [p.name for p in prefill] == ["tiny-reverse-prefill-0"]

@@ -1,4 +1,5 @@
-"""`rlrun local`'s pure parts: the outcome rules, progress parsing and display, the plot, the final copy."""
+"""`rlrun local`'s pure parts: the outcome rules, progress parsing and display, the plot, the final copy, a
+failed role's error line."""
 
 from __future__ import annotations
 
@@ -205,3 +206,17 @@ def test_reward_summary_uses_fifth_averages():
     assert render_summary(summary) == (
         "steps: 10; mean reward first fifth 0.150 -> last fifth 0.950 (+0.800); exact match 8% -> 48%")
     assert get_reward_summary([{"step": 1}]) is None
+
+
+def test_a_failed_role_is_reported_with_its_own_error_line(tmp_path):
+    from rlrun_runtime.local import get_role_error
+
+    log = tmp_path / "trainer.log"
+    log.write_text("rlrun-runtime inference: /x/python -m vllm.entrypoints.openai.api_server --model m\n"
+                   "rlrun-runtime trainer: spec.trainer.gpusPerNode: > 0 but no CUDA device is visible; set it to 0\n"
+                   "Traceback (most recent call last):\n  torch.distributed.elastic...ChildFailedError\n")
+    assert get_role_error(log) == ("rlrun-runtime trainer: spec.trainer.gpusPerNode: > 0 but no CUDA device is "
+                                   "visible; set it to 0")
+    log.write_text("rlrun-runtime inference: /x/python -m vllm.entrypoints.openai.api_server --model m\nboom\n")
+    assert get_role_error(log) is None
+    assert get_role_error(tmp_path / "missing.log") is None

@@ -1,12 +1,6 @@
 """benchmarks/local_run.py's report: figures that are zero print as 0.0, never -0.0."""
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "local_run.py"
-spec = importlib.util.spec_from_file_location("local_run", SCRIPT)
-local_run = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(local_run)
+from benchmarks import local_run
 
 
 def test_zero_fractions_never_print_negative_zero():

@@ -328,11 +328,11 @@ def test_prompts_render_with_the_chat_template_when_there_is_one(tmp_path):
     ({"truncation": "drop"}, False),
     ({"maxEmptyBatches": -1}, False),
 ])
-def test_the_crd_checks_the_new_algorithm_fields(tiny_rlrun, changes, ok):
+def test_the_crd_checks_the_new_algorithm_fields(tiny_example, changes, ok):
     from rlrun_api.validation import validate
 
-    tiny_rlrun["spec"]["algorithm"].update(changes)
-    errors = validate(tiny_rlrun)
+    tiny_example["spec"]["algorithm"].update(changes)
+    errors = validate(tiny_example)
     assert (errors == []) is ok, errors
     if not ok:
         assert [e.path for e in errors] == [f"spec.algorithm.{next(iter(changes))}"]

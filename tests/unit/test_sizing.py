@@ -82,3 +82,10 @@ def test_deterministic_and_scale_invariant(ratio, replicas) -> None:
     # 2:4 means the same as 1:2
     k = 2 if max(ratio) * 2 <= 999 else 1
     assert size_pd(f"{ratio[0] * k}:{ratio[1] * k}", replicas) == size_pd(text, replicas)
+
+
+def test_any_budget_is_sized_at_once() -> None:
+    """The split is computed, not searched: a budget of 2**40 (the schema sets no maximum) is instant."""
+    size = size_pd("1:2", 2 ** 40 + 1)
+    assert (size.prefill, size.decode) == (366503875926, 733007751851)  # (2**40 + 1) / 3 = ...925.67
+    assert size_pd("999:1", 2 ** 40).decode == size_pd("1:999", 2 ** 40).prefill == 1099511628  # 2**40 / 1000

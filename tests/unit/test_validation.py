@@ -10,7 +10,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT
+from example_runs import ROOT, load_example
 from rlrun_api import constants, names, spec, validation
 from rlrun_api.documents import SpecFileError, load_documents
 from rlrun_api.validation import FieldError, validate
@@ -94,7 +94,6 @@ CEL_CASES = [
     ("nccl-cpu", {"spec.weightSync.transport": "nccl"}, "spec.weightSync.transport", "use transport filesystem"),
     ("autoscaling-needs-pd", {"spec.autoscaling.enabled": True}, "spec.autoscaling.enabled",
      "enable disaggregation or set autoscaling.enabled: false"),
-    ("cpu-trainer-one-node", {"spec.trainer.nodes": 2}, "spec.trainer.nodes", "set trainer.nodes to 1"),
     ("fp8-cpu", {"spec.trainer.quantization": "fp8"}, "spec.trainer.quantization",
      "set trainer.quantization: none"),
     ("lora-empty", {"spec.trainer.lora": {"rank": 8, "targetModules": []}}, "spec.trainer.lora.targetModules",
@@ -150,13 +149,13 @@ SEMANTIC_CASES = [
 
 @pytest.mark.parametrize("changes,path,fix", [c[1:] for c in SCHEMA_CASES + CEL_CASES + SEMANTIC_CASES],
                          ids=[c[0] for c in SCHEMA_CASES + CEL_CASES + SEMANTIC_CASES])
-def test_bad_spec_gives_one_error_at_the_field_with_the_fix(tiny_rlrun, changes, path, fix) -> None:
-    errors = validate(mutate(tiny_rlrun, changes))
+def test_bad_spec_gives_one_error_at_the_field_with_the_fix(tiny_example, changes, path, fix) -> None:
+    errors = validate(mutate(tiny_example, changes))
     assert [e.path for e in errors] == [path], errors
     assert fix in errors[0].message.replace("\n", " ")
 
 
-def test_valid_variations_have_no_errors(tiny_rlrun) -> None:
+def test_valid_variations_have_no_errors(tiny_example) -> None:
     variations = [
         {},
         {"spec.algorithm.loss.ratioHigh": 8},  # an int in a `number` field is a CEL double, as on the server
@@ -185,23 +184,23 @@ def test_valid_variations_have_no_errors(tiny_rlrun) -> None:
         3: ["spec.trainer.quantization", "spec.weightSync.transport"],
     }
     for i, changes in enumerate(variations):
-        errors = validate(mutate(tiny_rlrun, changes))
+        errors = validate(mutate(tiny_example, changes))
         assert [e.path for e in errors] == not_implemented.get(i, []), changes
         assert all("not implemented yet" in e.message for e in errors)
 
 
-def test_unimplemented_features_are_reported_only_when_nothing_else_is_wrong(tiny_rlrun) -> None:
-    errors = validate(mutate(tiny_rlrun, {"spec.trainer.lora.rank": 8, "spec.algorithm.batchSize": 68,
+def test_unimplemented_features_are_reported_only_when_nothing_else_is_wrong(tiny_example) -> None:
+    errors = validate(mutate(tiny_example, {"spec.trainer.lora.rank": 8, "spec.algorithm.batchSize": 68,
                                           "spec.algorithm.microBatchSize": 4}))
     assert [e.path for e in errors] == ["spec.algorithm.batchSize"]
-    errors = validate(mutate(tiny_rlrun, {"spec.trainer.lora.rank": 8}))
+    errors = validate(mutate(tiny_example, {"spec.trainer.lora.rank": 8}))
     assert [(e.path, "set it to 0" in e.message) for e in errors] == [("spec.trainer.lora.rank", True)]
 
 
-def test_status_is_not_user_input_but_check_schema_covers_it(tiny_rlrun) -> None:
+def test_status_is_not_user_input_but_check_schema_covers_it(tiny_example) -> None:
     odd_status = {"status": {"startTime": "yesterday", "kopf": {"progress": {}}, "phase": "Dancing"}}
-    assert validate(mutate(tiny_rlrun, odd_status)) == []
-    errors = validation.check_schema(spec.apply_defaults(mutate(tiny_rlrun, odd_status)))
+    assert validate(mutate(tiny_example, odd_status)) == []
+    errors = validation.check_schema(spec.apply_defaults(mutate(tiny_example, odd_status)))
     assert [(e.path, e.message) for e in errors] == [
         ("status.kopf", "unknown field; remove it; known fields: completionTime, conditions, lastReward, "
                         "observedGeneration, phase, policyVersion, replicas, scalingHistory, startTime, step"),
@@ -211,29 +210,29 @@ def test_status_is_not_user_input_but_check_schema_covers_it(tiny_rlrun) -> None
     ]
 
 
-def test_schema_errors_do_not_cascade_into_rule_errors(tiny_rlrun) -> None:
+def test_schema_errors_do_not_cascade_into_rule_errors(tiny_example) -> None:
     # a string rolloutsPerPrompt would also break `batchSize % rolloutsPerPrompt` and every semantic check
-    errors = validate(mutate(tiny_rlrun, {"spec.algorithm.rolloutsPerPrompt": "8",
+    errors = validate(mutate(tiny_example, {"spec.algorithm.rolloutsPerPrompt": "8",
                                           "spec.environment.name": "unknown-task"}))
     assert [e.path for e in errors] == ["spec.algorithm.rolloutsPerPrompt"]
 
 
-def test_rules_elsewhere_still_run_next_to_a_schema_error(tiny_rlrun) -> None:
-    errors = validate(mutate(tiny_rlrun, {"spec.router.policy": "fastest", "spec.trainer.nodes": 2}))
-    assert [e.path for e in errors] == ["spec.router.policy", "spec.trainer.nodes"]
+def test_rules_elsewhere_still_run_next_to_a_schema_error(tiny_example) -> None:
+    errors = validate(mutate(tiny_example, {"spec.router.policy": "fastest", "spec.trainer.quantization": "fp8"}))
+    assert [e.path for e in errors] == ["spec.router.policy", "spec.trainer.quantization"]
 
 
-def test_several_errors_are_all_reported(tiny_rlrun) -> None:
-    errors = validate(mutate(tiny_rlrun, {"spec.algorithm.batchSize": 68, "spec.algorithm.microBatchSize": 4,
+def test_several_errors_are_all_reported(tiny_example) -> None:
+    errors = validate(mutate(tiny_example, {"spec.algorithm.batchSize": 68, "spec.algorithm.microBatchSize": 4,
                                           "spec.trainer.quantization": "fp8",
                                           "spec.algorithm.sampling.maxTokens": 500}))
     assert {e.path for e in errors} == {"spec.algorithm.batchSize", "spec.trainer.quantization",
                                         "spec.algorithm.sampling.maxTokens"}
 
 
-def test_sizing_error_is_not_reported_twice(tiny_rlrun) -> None:
+def test_sizing_error_is_not_reported_twice(tiny_example) -> None:
     # the CEL rule and sizing.size_pd both reject 1 replica; the user sees it once
-    errors = validate(mutate(tiny_rlrun, {"spec.inference.disaggregation.enabled": True,
+    errors = validate(mutate(tiny_example, {"spec.inference.disaggregation.enabled": True,
                                           "spec.inference.disaggregation.replicas": 1}))
     assert len(errors) == 1
 
@@ -250,10 +249,10 @@ def test_max_name_length_follows_the_statefulset_limit_and_the_crd_enforces_it()
     assert name_schema["pattern"] == "^[a-z]([-a-z0-9]*[a-z0-9])?$"  # DNS-1035 label (Kubernetes API conventions)
 
 
-def test_other_metadata_fields_stay_allowed(tiny_rlrun) -> None:
+def test_other_metadata_fields_stay_allowed(tiny_example) -> None:
     metadata = {"name": "run", "namespace": "ns", "uid": "1234", "generation": 3, "labels": {"team": "rl"},
                 "annotations": {"argocd.argoproj.io/tracking-id": "x"}, "managedFields": [{"manager": "kubectl"}]}
-    assert validate(mutate(tiny_rlrun, {"metadata": metadata})) == []
+    assert validate(mutate(tiny_example, {"metadata": metadata})) == []
 
 
 @pytest.mark.parametrize("obj", [None, 3, "text", [], {}, {"spec": None}, {"spec": {"model": None}},
@@ -371,11 +370,11 @@ def test_rule_that_cannot_be_evaluated_is_an_error_not_an_exception() -> None:
 
 # --- the name limit against the real renderer ------------------------------------------------------
 
-def test_longest_valid_name_keeps_every_rendered_child_within_kubernetes_limits(tiny_rlrun) -> None:
+def test_longest_valid_name_keeps_every_rendered_child_within_kubernetes_limits(tiny_example) -> None:
     from rlrun_operator import render
 
     name = "a" * names.MAX_RUN_NAME_LENGTH
-    rlrun = spec.apply_defaults(mutate(tiny_rlrun, {"metadata.name": name, "metadata.namespace": "default",
+    rlrun = spec.apply_defaults(mutate(tiny_example, {"metadata.name": name, "metadata.namespace": "default",
                                                     **DISAGG, **GPU_RUN}))
     assert validate(rlrun) == []
     children = render.render(rlrun)
@@ -388,18 +387,18 @@ def test_longest_valid_name_keeps_every_rendered_child_within_kubernetes_limits(
         assert len(child_name) <= limit, child_name
 
 
-def test_every_unknown_field_is_reported(tiny_rlrun) -> None:
-    errors = validate(mutate(tiny_rlrun, {"spec.trainer.gpus": 1, "spec.trainer.node": 1}))
+def test_every_unknown_field_is_reported(tiny_example) -> None:
+    errors = validate(mutate(tiny_example, {"spec.trainer.gpus": 1, "spec.trainer.node": 1}))
     assert [(e.path, e.message) for e in errors] == [
         ("spec.trainer.gpus", "unknown field; did you mean 'gpusPerNode'?"),
         ("spec.trainer.node", "unknown field; did you mean 'nodes'?"),
     ]
 
 
-def test_cel_conversion_memo_reuses_shared_subtrees_and_changes_nothing(tiny_rlrun) -> None:
+def test_cel_conversion_memo_reuses_shared_subtrees_and_changes_nothing(tiny_example) -> None:
     from rlrun_api import cel
 
-    run = spec.apply_defaults(tiny_rlrun)
+    run = spec.apply_defaults(tiny_example)
     schema = spec.crd_schema()["properties"]["spec"]
     memo: dict = {}
     whole = cel.to_cel(run["spec"], schema, memo)
@@ -407,3 +406,16 @@ def test_cel_conversion_memo_reuses_shared_subtrees_and_changes_nothing(tiny_rlr
     algorithm = schema["properties"]["algorithm"]
     assert cel.to_cel(run["spec"]["algorithm"], algorithm, memo) is whole["algorithm"]  # converted once
     assert (id(run["spec"]["algorithm"]), id(algorithm)) in memo
+
+
+def test_prepare_compiles_every_cel_rule_once_up_front() -> None:
+    """The operator calls validation.prepare() at start-up: afterwards validating compiles nothing."""
+    from rlrun_api import cel, spec, validation
+
+    assert cel.compile_rules(spec.crd_schema()) >= 10
+    validation.prepare()
+    misses = cel.compile_rule.cache_info().misses
+    run = load_example("rlrun-tiny.yaml")
+    run["spec"]["trainer"]["quantization"] = "fp8"  # a failing rule and its message too
+    assert validation.validate(run)
+    assert cel.compile_rule.cache_info().misses == misses

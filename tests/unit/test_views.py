@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from rlrun_api.spec import apply_defaults
-from rlrun_api.views import (AutoscalingView, InferenceView, OrchestratorView, RouterView, TrainerView, project)
+from rlrun_api.views import (AutoscalingView, EnvironmentView, InferenceView, OrchestratorView, RouterView,
+                             TrainerView, project)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 VIEWS = (TrainerView, InferenceView, RouterView, OrchestratorView, AutoscalingView)
@@ -34,7 +35,8 @@ def test_values_of_the_tiny_example():
     assert (trainer.learning_rate, trainer.max_steps, trainer.model_name) == (0.002, 110, "rlrun-tiny")
     orchestrator = OrchestratorView.from_spec(spec)
     assert (orchestrator.rollouts_per_prompt, orchestrator.batch_size, orchestrator.max_tokens) == (8, 128, 8)
-    assert orchestrator.environment["args"] == {"min_words": 3, "max_words": 4}
+    assert orchestrator.environment == EnvironmentView(type="builtin", name="reverse-words", seed=0,
+                                                       args={"min_words": 3, "max_words": 4})
     assert InferenceView.from_spec(spec).gpus_per_replica == 0
     assert RouterView.from_spec(spec).disaggregated is False
     auto = AutoscalingView.from_spec(spec)
@@ -66,3 +68,28 @@ def test_project_keeps_reads_and_drops_ignores():
     assert project(spec, (("a",),), (("a", "c", "d"),)) == {"a": {"b": 1, "c": {"e": 3}}}
     assert project(spec, ((),), (("f",), ("missing", "x"))) == {"a": {"b": 1, "c": {"d": 2, "e": 3}}}
     assert project(spec, (("nope",),)) == {}
+
+
+def test_orchestrator_environment_is_a_typed_read_only_copy():
+    spec = spec_of("tiny")
+    environment = OrchestratorView.from_spec(spec).environment
+    assert (environment.type, environment.name, environment.seed) == ("builtin", "reverse-words", 0)
+    assert environment.describe() == "builtin/reverse-words (seed 0)"
+    with pytest.raises(TypeError):
+        environment.args["min_words"] = 1  # read-only
+    spec["environment"]["args"]["min_words"] = 1
+    assert environment.args["min_words"] == 3  # a copy: the spec changing later does not reach it
+    del spec["environment"]["seed"]  # a hand-written mapping without the CRD default
+    assert EnvironmentView.from_mapping(spec["environment"]).seed == 0
+
+
+@pytest.mark.parametrize("environment, needle", [
+    ([], "spec.environment: must be a mapping"),
+    ({"type": 3, "name": "x"}, "spec.environment.type"),
+    ({"type": "builtin"}, "spec.environment.name: required"),
+    ({"type": "builtin", "name": "x", "seed": True}, "spec.environment.seed: must be an integer"),
+    ({"type": "builtin", "name": "x", "args": ["a"]}, "spec.environment.args: must be a mapping"),
+])
+def test_environment_view_refuses_malformed_fields_naming_them(environment, needle):
+    with pytest.raises(ValueError, match=needle):
+        EnvironmentView.from_mapping(environment)

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlrun_runtime.storage import RunStorage
-from rlrun_runtime.weights import TRANSPORTS, get_transport
+from rlrun_runtime.weights import TRANSPORTS, WeightTransport, get_transport
 from rlrun_runtime.weights.filesystem import FilesystemTransport
 
 
@@ -42,3 +42,34 @@ def test_filesystem_publish_identity_and_retire(tmp_path):
 
     assert transport.retire(3) == [1, 2]
     assert transport.newest_published() == 3 and transport.identity(1) is None
+
+
+def test_startup_weights_are_the_newest_final_step(tmp_path):
+    storage = RunStorage(tmp_path / "run")
+    transport = get_transport("filesystem", storage)
+    assert transport.startup_weights() is None  # before the first trainer step: the initial model
+    for name in ("step-000002", "step-000010", ".step-000011.abc.tmp"):
+        (storage.weights_dir / name).mkdir(parents=True)
+    assert transport.startup_weights() == (10, storage.weights(10))
+
+
+class _PushStandIn(FilesystemTransport):
+    """A second transport as a registry entry: engines start from the initial model (the base default)."""
+
+    name = "push-stand-in"
+
+    def startup_weights(self):
+        return WeightTransport.startup_weights(self)
+
+
+def test_the_inference_role_asks_the_transport_named_by_its_view(tmp_path, monkeypatch):
+    from rlrun_runtime.inference import get_served_weights
+    from rlrun_runtime.role import RoleConfigError
+
+    storage = RunStorage(tmp_path / "run")
+    storage.weights(4).mkdir(parents=True)
+    monkeypatch.setitem(TRANSPORTS, _PushStandIn.name, _PushStandIn)
+    assert get_served_weights(storage, "filesystem") == (4, storage.weights(4))
+    assert get_served_weights(storage, _PushStandIn.name) is None
+    with pytest.raises(RoleConfigError, match=r"spec.weightSync.transport: 'nccl' is not available"):
+        get_served_weights(storage, "nccl")

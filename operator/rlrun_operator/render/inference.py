@@ -5,9 +5,10 @@ is built by the runtime's inference role from the run config; the pod only says 
 (``RLRUN_INFERENCE_ROLE``) and carries the config hash of what that role reads, so a vllmArgs change
 rolls the pods.
 
-Replicas of the prefill and decode Deployments are seeds: ``sizing.size_pd(ratio, replicas)`` at
-creation. Afterwards the operator (and its autoscaler) owns them and never re-sends replicas on update;
-this renderer still always returns the seed.
+Replicas of the pool Deployments are the spec's sizes (``inference.replicas``, or
+``sizing.size_pd(ratio, replicas)``): the seed at creation, and the target when those size fields change
+with autoscaling off. Otherwise the live value is kept (apply.plan_replicas decides; the sizes it compares
+are stamped at apply time, never rendered, so they touch no hash).
 """
 
 from __future__ import annotations

@@ -18,21 +18,6 @@ class RenderError(ValueError):
     """The RLRun cannot be rendered into valid Kubernetes objects; the message names the field and the fix."""
 
 
-# Suffix of every child name (one of constants.CHILD_SUFFIXES), by child. The inference NetworkPolicy
-# shares the inference name on purpose.
-CHILD_NAME_SUFFIXES: dict[str, str] = {
-    "config": "-config",
-    "storage": "-storage",
-    "trainer": "-" + c.COMPONENT_TRAINER,
-    "inference": "-" + c.COMPONENT_INFERENCE,
-    "prefill": "-" + c.COMPONENT_PREFILL,
-    "decode": "-" + c.COMPONENT_DECODE,
-    "router": "-" + c.COMPONENT_ROUTER,
-    "orchestrator": "-" + c.COMPONENT_ORCHESTRATOR,
-    "network-policy": "-" + c.COMPONENT_INFERENCE,
-}
-
-
 def check_run_name(name: Any) -> str:
     """Return ``name`` if every child name derived from it is valid, else raise RenderError.
 
@@ -57,13 +42,14 @@ def get_child_names(rlrun: dict[str, Any]) -> dict[str, str]:
     trainer (Service + StatefulSet), inference / prefill / decode (Deployment + headless Service; which
     exist depends on spec.inference.disaggregation.enabled), router (Deployment, Service, ServiceAccount,
     Role, RoleBinding), orchestrator (Job + Service), network-policy (NetworkPolicy). All keys are always
-    present, so an operator can also find children of the other disaggregation mode to delete them.
+    present, so an operator can also find children of the other disaggregation mode to delete them. The
+    suffixes are constants.CHILD_NAME_SUFFIXES.
 
     Raises:
         RenderError: metadata.name cannot name the children (see check_run_name).
     """
     name = check_run_name(rlrun.get("metadata", {}).get("name"))
-    return {key: name + suffix for key, suffix in CHILD_NAME_SUFFIXES.items()}
+    return {key: name + suffix for key, suffix in c.CHILD_NAME_SUFFIXES.items()}
 
 
 def get_selector_labels(run_name: str, component: str) -> dict[str, str]:

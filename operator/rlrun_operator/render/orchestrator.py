@@ -13,7 +13,7 @@ from typing import Any
 
 from rlrun_api import constants as c
 from .config import get_config_hash
-from .inference import get_inference_endpoints
+from .inference import get_inference_endpoints, get_inference_pools
 from .metadata import get_metadata
 from .network import render_service
 from .pod import env_value, get_http_probes, get_resources, render_container, render_pod_template
@@ -25,12 +25,15 @@ BACKOFF_LIMIT = 4
 
 
 def get_orchestrator_env(rlrun: dict[str, Any], names: dict[str, str]) -> list[dict[str, Any]]:
-    """RLRUN_ROUTER_URL (completions), RLRUN_INFERENCE_ENDPOINTS (admin calls), RLRUN_METRICS_PORT."""
-    return [
+    """RLRUN_ROUTER_URL (completions), RLRUN_INFERENCE_ENDPOINTS (admin calls), with disaggregation
+    RLRUN_PREFILL_ENDPOINTS (the prefill pool among them: the P/D order of a weight update), RLRUN_METRICS_PORT."""
+    env = [
         env_value(c.ENV_ROUTER_URL, f"http://{names['router']}:{c.ROUTER_PORT}"),
         env_value(c.ENV_INFERENCE_ENDPOINTS, get_inference_endpoints(rlrun, names)),
-        env_value(c.ENV_METRICS_PORT, c.ORCHESTRATOR_METRICS_PORT),
     ]
+    if c.COMPONENT_PREFILL in get_inference_pools(rlrun):
+        env.append(env_value(c.ENV_PREFILL_ENDPOINTS, f"{names[c.COMPONENT_PREFILL]}:{c.INFERENCE_PORT}"))
+    return env + [env_value(c.ENV_METRICS_PORT, c.ORCHESTRATOR_METRICS_PORT)]
 
 
 def render_orchestrator(rlrun: dict[str, Any], names: dict[str, str], claim_name: str) -> tuple[dict, dict]:

@@ -7,9 +7,11 @@ id), ``python`` (an import path of an object implementing :class:`Environment`).
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from typing import Any, Mapping
 
 from rlrun_api import constants
+from rlrun_api.views import EnvironmentView
 
 from .base import Environment, EnvironmentSpecError, Task
 from .builtin import BUILTINS, ReverseWords
@@ -19,11 +21,13 @@ __all__ = ["Environment", "EnvironmentSpecError", "Task", "ReverseWords", "load_
 TYPES = ("builtin", "reasoning-gym", "verifiers", "python")
 
 
-def load_environment(env_spec: dict[str, Any]) -> Environment:
-    """Build the environment described by ``env_spec`` (the defaulted ``spec.environment``).
+def load_environment(env_spec: EnvironmentView | Mapping[str, Any]) -> Environment:
+    """Build the environment described by ``env_spec``.
 
     Args:
-        env_spec: ``{"type": ..., "name": ..., "args": {...}, "seed": int}``.
+        env_spec: the orchestrator's typed view (``OrchestratorView.environment``), or a ``spec.environment``
+            mapping ``{"type": ..., "name": ..., "args": {...}, "seed": int}`` (``rlrun local``'s early check),
+            read through :meth:`EnvironmentView.from_mapping`.
 
     Returns:
         an object with ``name``, ``task(index) -> Task`` and ``score(task, completion) -> float in [0, 1]``.
@@ -32,19 +36,16 @@ def load_environment(env_spec: dict[str, Any]) -> Environment:
         EnvironmentSpecError: unknown type or name, bad args, missing optional package; the message names
             the ``spec.environment`` field and the fix.
     """
-    kind = env_spec.get("type")
-    name = env_spec.get("name")
-    seed = env_spec.get("seed", 0)
-    args = env_spec.get("args") or {}
+    if not isinstance(env_spec, EnvironmentView):
+        try:
+            env_spec = EnvironmentView.from_mapping(env_spec)
+        except ValueError as err:
+            raise EnvironmentSpecError(str(err)) from None
+    kind, name, seed = env_spec.type, env_spec.name, env_spec.seed
+    args = copy.deepcopy(dict(env_spec.args))  # the constructor's own copy: the view stays read-only
     if kind not in TYPES:
         raise EnvironmentSpecError(
             f"spec.environment.type: {kind!r} is not one of {', '.join(TYPES)}; pick one of them")
-    if not isinstance(name, str) or not name:
-        raise EnvironmentSpecError("spec.environment.name: required (a task name, dataset, id or import path)")
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise EnvironmentSpecError(f"spec.environment.seed: must be an integer, got {seed!r}")
-    if not isinstance(args, dict):
-        raise EnvironmentSpecError("spec.environment.args: must be a mapping of keyword arguments")
     if kind == "builtin":
         if name not in constants.BUILTIN_ENVIRONMENTS or name not in BUILTINS:
             raise EnvironmentSpecError(

@@ -6,7 +6,8 @@ environment and the model path (exit 2 naming the field and the fix); render the
 commands and env as the pods, hosts -> 127.0.0.1, ports -> free loopback ports, ConfigMap -> a file,
 PVC -> the output directory); build the model once (``tiny_model.ensure_model``) so the roles do not race
 on it; start every role under the supervisor (``local.processes``) with a live progress display
-(``local.progress``); when the orchestrator finishes, stop the rest, copy the last published weights to
+(``local.progress``); when the orchestrator finishes, record each inference server's ``/metrics`` and
+weight version in ``DIR/inference-metrics/``, stop the rest, copy the last published weights to
 ``DIR/final/`` and draw ``DIR/plot.png``.
 
 Exit status: 0 the run succeeded; 1 a role failed (named, with its last log lines; checkpoints stay on
@@ -21,6 +22,7 @@ environment sets them; vLLM's CPU worker binds its own OpenMP threads (``VLLM_CP
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -53,6 +55,10 @@ THREAD_ENV = {
 }
 # Entries of the output directory that mean "a run already wrote here" (see docs/runtime-contract.md).
 RUN_STATE_ENTRIES = ("metrics.jsonl", "rollouts", "weights", "checkpoints", "orchestrator")
+# DIR/inference-metrics/: each inference server's /metrics and weight version as the run ends
+# (record_inference_metrics).
+INFERENCE_METRICS_DIR = "inference-metrics"
+INFERENCE_METRICS_TIMEOUT_S = 10.0  # per GET; a server busy with its last requests may answer slowly on CPU
 
 
 class LocalInputError(ValueError):
@@ -248,6 +254,48 @@ def missing_commands(plan: LocalPlan) -> list[str]:
 
 # --- after the run ---------------------------------------------------------------------------------
 
+def record_inference_metrics(plan: LocalPlan, directory: Path,
+                             timeout_s: float = INFERENCE_METRICS_TIMEOUT_S) -> dict[str, dict[str, Any]]:
+    """Write what each inference server reports while it still runs (the run's outcome is decided).
+
+    For every process of an inference pool (``constants.POOL_COMPONENTS``), reached on its
+    ``RLRUN_INFERENCE_PORT``: ``directory/<pod>.prom``, its ``GET /metrics`` exposition as served (vLLM's
+    counters are cumulative: the decode server's ``vllm:nixl_xfer_time_seconds_count`` counts every KV
+    transfer of the run), and its entry in ``directory/servers.json``, which is returned:
+    ``{pod: {"component", "url", "weight_version" (GET /weight_info's string, None when unread), "error"
+    (None, or why a GET failed)}}``. A server that does not answer within ``timeout_s`` has only its
+    error recorded. Never raises: a failure to write is returned as the entries' error too.
+    """
+    import http.client
+    import urllib.request
+
+    def get(url: str) -> bytes:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.read()
+
+    servers: dict[str, dict[str, Any]] = {}
+    for process in plan.processes:
+        port = process.env.get(c.ENV_INFERENCE_PORT)
+        if process.component not in c.POOL_COMPONENTS or not port:
+            continue
+        url = f"http://{LOCAL_HOST}:{port}"
+        entry: dict[str, Any] = {"component": process.component, "url": url, "weight_version": None, "error": None}
+        try:
+            text = get(f"{url}/metrics")
+            atomic_write_text(directory / f"{process.name}.prom", text.decode("utf-8", errors="replace"))
+            entry["weight_version"] = str(json.loads(get(f"{url}/weight_info"))["weight_version"])
+        except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError) as exc:  # URLError is an OSError
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        servers[process.name] = entry
+    if servers:
+        try:
+            atomic_write_text(directory / "servers.json", json.dumps(servers, indent=1, sort_keys=True) + "\n")
+        except OSError as exc:
+            for entry in servers.values():
+                entry["error"] = entry["error"] or f"servers.json not written: {exc}"
+    return servers
+
+
 def publish_final(storage: RunStorage, final_dir: Path) -> int | None:
     """Copy the newest ``weights/step-N`` to ``final_dir`` atomically; returns N (None when there is none)."""
     steps = list_steps(storage.weights_dir)
@@ -381,7 +429,9 @@ def run_plan(plan: LocalPlan, run_spec: Mapping[str, Any], name: str, output_dir
                                   resume_step=resume_step)
         supervisor.start()  # before the display's refresh thread exists (the children fork a clean process)
         with display:
-            outcome = supervisor.wait(stop, on_tick=lambda: display.update(supervisor.exits()))
+            outcome = supervisor.wait(stop, on_tick=lambda: display.update(supervisor.exits()),
+                                      before_stop=lambda _: record_inference_metrics(
+                                          plan, output_dir / INFERENCE_METRICS_DIR))
             display.update(supervisor.exits())
     except KeyboardInterrupt:  # Ctrl-C while the model is being built: no role has started yet
         received.append(signal.SIGINT)

@@ -259,11 +259,13 @@ class Supervisor:
         return outcome
 
     def wait(self, stop_event: threading.Event | None = None,
-             on_tick: Callable[[], None] | None = None, tick_seconds: float = 1.0) -> Outcome:
+             on_tick: Callable[[], None] | None = None, tick_seconds: float = 1.0,
+             before_stop: Callable[[Outcome], None] | None = None) -> Outcome:
         """Watch the processes until the outcome is decided or ``stop_event`` is set, then stop them all.
 
-        ``on_tick`` (e.g. the progress display) is called about every ``tick_seconds``; an exception in
-        it propagates after the processes are stopped.
+        ``on_tick`` (e.g. the progress display) is called about every ``tick_seconds``; ``before_stop``
+        once with the decided outcome (not on an interrupt) while the servers still run, e.g. to record
+        their final metrics. An exception in either propagates after the processes are stopped.
         """
         stop_event = stop_event or threading.Event()
         last_tick = 0.0
@@ -271,7 +273,11 @@ class Supervisor:
             while True:
                 outcome = self.check()
                 if outcome is not None:
-                    return self._finish(outcome, stop_event) if outcome.success else outcome
+                    if outcome.success:
+                        outcome = self._finish(outcome, stop_event)
+                    if before_stop is not None:
+                        before_stop(outcome)
+                    return outcome
                 if stop_event.is_set():
                     return Outcome(False, "interrupted; stopping every role")
                 now = time.monotonic()

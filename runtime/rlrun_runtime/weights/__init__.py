@@ -13,6 +13,7 @@ from rlrun_runtime.weights.transport import WeightTransport
 # spec.weightSync.transport -> implementation. `nccl` (the push transport of the broadcast issue) is refused
 # by validation until its module lands here.
 TRANSPORTS: dict[str, type[WeightTransport]] = {FilesystemTransport.name: FilesystemTransport}
+DEFAULT_TRANSPORT = FilesystemTransport.name  # the CRD's default of spec.weightSync.transport
 
 
 def get_transport(name: str, storage: RunStorage) -> WeightTransport:
@@ -28,4 +29,4 @@ def get_transport(name: str, storage: RunStorage) -> WeightTransport:
                          f"{', '.join(sorted(TRANSPORTS))}") from None
 
 
-__all__ = ["TRANSPORTS", "WeightTransport", "get_transport"]
+__all__ = ["DEFAULT_TRANSPORT", "TRANSPORTS", "WeightTransport", "get_transport"]

@@ -49,6 +49,12 @@ class FilesystemTransport(WeightTransport):
         steps = list_steps(self.storage.weights_dir)
         return steps[-1] if steps else 0
 
+    def startup_weights(self) -> tuple[int, Path] | None:
+        """The newest final ``weights/step-N`` (published atomically; temporary names never count), or None
+        before the trainer's first step."""
+        version = self.newest_published()
+        return (version, self.path(version)) if version > 0 else None
+
     def identity(self, version: int) -> tuple[int, int] | None:
         try:
             info = os.stat(self.path(version))

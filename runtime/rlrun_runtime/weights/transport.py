@@ -13,6 +13,7 @@ version, cache, resume, verify) and asks the transport only what is published an
 from __future__ import annotations
 
 import abc
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Hashable
 
 if TYPE_CHECKING:
@@ -51,6 +52,17 @@ class WeightTransport(abc.ABC):
             EngineError: the engine refused or failed the load.
             ValueError: this transport has nothing to load for ``version``.
         """
+
+    # --- inference side ---------------------------------------------------------------------------------
+    def startup_weights(self) -> tuple[int, Path] | None:
+        """What a starting engine serves: ``(version, directory)`` of the newest published version that it
+        can load at start-up, or None to start from the initial model (``spec.model.name``).
+
+        A pod that joins after a weight update must serve the current policy. A pull transport gives that
+        version's directory; this default (a push transport) starts from the initial model and relies on
+        the orchestrator pushing the current version into the new engine before it gets traffic.
+        """
+        return None
 
     @abc.abstractmethod
     def retire(self, loaded: int) -> list[int]:

@@ -20,6 +20,15 @@ This is the one module that orders these calls. What each failure leaves behind:
 vLLM refuses the prefix-cache reset while requests hold KV blocks (HTTP 200 with ``success: false``), which
 is expected after a ``keep`` pause; requests carry ``cache_salt = "policy-<version>"`` so that KV computed
 with older weights is never reused anyway.
+
+Prefill/decode disaggregation (``prefill`` engines given): the decode engines are paused first and the
+prefill engines only once every decode pause has returned; the prefill engines are resumed first and the
+decode engines only once every prefill engine is resumed (or has failed). A decode engine's ``keep`` pause
+returns only after its pending KV loads from prefill finish, and NIXL's reads of the prefill engine's
+blocks need that engine running: pausing both at once stalled the decode pause until the prefill engine's
+KV leases expired (30 s, vLLM's default ``kv_lease_duration``; measured on CPU, benchmarks/README.md).
+New requests are held by the orchestrator while an update is in flight, so nothing new reaches prefill
+between the two pauses.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from rlrun_runtime.vllm_admin import (DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, EngineError, EngineOutOfService, VLLMAdmin,
                                       parse_version)
@@ -67,13 +76,50 @@ async def _restore(admin: VLLMAdmin, transport: WeightTransport, previous: int |
     return None
 
 
+class PauseOrder:
+    """The P/D ordering of one update round (see the module docstring): ``first`` engines (decode) pause
+    before ``second`` engines (prefill) and resume after them. Each engine reports ``paused`` once its pause
+    attempt is over and ``done`` once its resume attempt is over (or it failed before reaching it): a failed
+    engine never blocks the others. Engines in neither set are not ordered."""
+
+    def __init__(self, first: Iterable[str], second: Iterable[str]) -> None:
+        self.first, self.second = frozenset(first), frozenset(second) - frozenset(first)
+        self._pausing, self._running = set(self.first), set(self.second)
+        self._first_paused, self._second_resumed = asyncio.Event(), asyncio.Event()
+        self._check()
+
+    def _check(self) -> None:
+        if not self._pausing:
+            self._first_paused.set()
+        if not self._running:
+            self._second_resumed.set()
+
+    async def before_pause(self, engine: str) -> None:
+        if engine in self.second:
+            await self._first_paused.wait()
+
+    def paused(self, engine: str) -> None:
+        self._pausing.discard(engine)
+        self._check()
+
+    async def before_resume(self, engine: str) -> None:
+        if engine in self.first:
+            await self._second_resumed.wait()
+
+    def done(self, engine: str) -> None:
+        self.paused(engine)
+        self._running.discard(engine)
+        self._check()
+
+
 async def update_engine(admin: VLLMAdmin, version: int, transport: WeightTransport,
-                        previous: int | None = None) -> EngineUpdate:
+                        previous: int | None = None, order: PauseOrder | None = None) -> EngineUpdate:
     """pause(keep) -> load -> set version -> reset prefix cache -> resume on one engine, then check it.
 
     ``previous`` is the version the engine serves (restored when the load fails; see the module
-    docstring). After the resume ``GET /weight_info`` must report ``version``; its answer is returned as
-    ``reported_version``. The latency covers pause to resume only.
+    docstring). ``order``: the round's P/D ordering, when there is one (this engine reports to it, the caller
+    calls ``order.done`` when the engine is finished). After the resume ``GET /weight_info`` must report
+    ``version``; its answer is returned as ``reported_version``. The latency covers pause to resume only.
 
     Raises:
         EngineError: a step failed; the engine was resumed and serves its previous weights.
@@ -82,8 +128,15 @@ async def update_engine(admin: VLLMAdmin, version: int, transport: WeightTranspo
     start = time.perf_counter()
     failure: EngineError | None = None
     reset = False
+    url = admin.base_url
     try:
-        await admin.pause("keep")
+        if order is not None:
+            await order.before_pause(url)
+        try:
+            await admin.pause("keep")
+        finally:
+            if order is not None:
+                order.paused(url)
         try:
             await transport.load_into(admin, version)
         except (EngineError, ValueError) as err:
@@ -108,6 +161,8 @@ async def update_engine(admin: VLLMAdmin, version: int, transport: WeightTranspo
             await admin.resume()
         raise
     try:
+        if order is not None:
+            await order.before_resume(url)
         await admin.resume()
     except EngineError as err:
         raise EngineOutOfService(admin.base_url, f"resume failed, the engine may be left paused: {err}"
@@ -125,12 +180,13 @@ async def update_engine(admin: VLLMAdmin, version: int, transport: WeightTranspo
 
 
 async def update_engines(engines: Sequence[str], version: int, transport: WeightTransport, *,
-                         previous: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                         retries: int = DEFAULT_RETRIES) -> list[EngineUpdate]:
+                         previous: int | None = None, prefill: Iterable[str] = (),
+                         timeout_s: float = DEFAULT_TIMEOUT_S, retries: int = DEFAULT_RETRIES) -> list[EngineUpdate]:
     """:func:`update_engine` on each base URL in ``engines`` concurrently.
 
     ``previous``: the version the engines serve (None: unknown); its tensors are the reference of the
-    check and what a failed load restores.
+    check and what a failed load restores. ``prefill``: the base URLs of the prefill pool under P/D
+    disaggregation; the other engines are then decode engines, and the round follows :class:`PauseOrder`.
 
     Raises:
         ValueError: ``transport.check_loadable(version, previous)`` refused (before any engine is paused).
@@ -139,9 +195,17 @@ async def update_engines(engines: Sequence[str], version: int, transport: Weight
     """
     transport.check_loadable(version, previous)
 
+    engines = [url.rstrip("/") for url in engines]  # the keys VLLMAdmin.base_url uses
+    prefill_engines = {url.rstrip("/") for url in prefill} & set(engines)
+    order = PauseOrder(set(engines) - prefill_engines, prefill_engines) if prefill_engines else None
+
     async def one(url: str) -> EngineUpdate:
-        async with VLLMAdmin(url, timeout_s=timeout_s, retries=retries) as admin:
-            return await update_engine(admin, version, transport, previous)
+        try:
+            async with VLLMAdmin(url, timeout_s=timeout_s, retries=retries) as admin:
+                return await update_engine(admin, version, transport, previous, order)
+        finally:
+            if order is not None:
+                order.done(url)
 
     results = await asyncio.gather(*(one(url) for url in engines), return_exceptions=True)
     failures = [r for r in results if isinstance(r, BaseException)]

@@ -9,7 +9,7 @@ from rlrun_api import constants
 from rlrun_operator.observe import get_progress
 from rlrun_operator.status import get_status
 from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
-from test_status import LATER, cond, make_run, workloads
+from run_objects import LATER, cond, make_run, workloads
 
 
 def test_stalled_and_out_of_service_engines_make_a_running_run_degraded_until_they_clear() -> None:

@@ -1,18 +1,16 @@
 """Pure parts of the operator: status from children and metrics, create-or-patch planning, metric parsing.
 
-Children come from the real renderer (examples/rlrun-tiny.yaml); JSON patches are applied with the
-`jsonpatch` library, as an API server would.
+Children come from the real renderer (examples/rlrun-tiny.yaml, through tests/support/run_objects.py); JSON
+patches are applied with the `jsonpatch` library, as an API server would.
 """
 
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
 import jsonpatch
 import pytest
-import yaml
 from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
@@ -20,46 +18,12 @@ from rlrun_api import constants
 from rlrun_operator.apply import get_spec_hash, plan_child, plan_prune
 from rlrun_operator.observe import get_orchestrator_failure, get_pod_targets, get_progress
 from rlrun_operator.render import render
-from rlrun_api.spec import apply_defaults
 from rlrun_operator.status import Progress, get_status, get_status_patch
-
-ROOT = Path(__file__).resolve().parents[2]
-NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
-
-
-def make_run(disaggregated: bool = False, suspend: bool = False, generation: int = 1) -> dict[str, Any]:
-    run = yaml.safe_load((ROOT / "examples" / "rlrun-tiny.yaml").read_text())
-    run["metadata"] = {"name": "r", "namespace": "ns", "uid": "u-1", "generation": generation}
-    run["spec"]["suspend"] = suspend
-    if disaggregated:
-        run["spec"]["inference"]["disaggregation"] = {"enabled": True, "ratio": "1:2", "replicas": 3}
-    return apply_defaults(run)
-
-
-def workloads(run: dict[str, Any], ready: bool, job: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The run's rendered workloads as a controller would report them (all ready, or none)."""
-    out = []
-    for m in render(run):
-        if m["kind"] not in ("Deployment", "StatefulSet", "Job"):
-            continue
-        obj = copy.deepcopy(m)
-        obj["metadata"]["generation"] = 1
-        if m["kind"] == "Job":
-            obj["status"] = job if job is not None else ({"active": 1, "ready": 1} if ready else {})
-        else:
-            n = m["spec"]["replicas"]
-            obj["status"] = {"observedGeneration": 1, "readyReplicas": n if ready else 0,
-                             "updatedReplicas": n if ready else 0}
-        out.append(obj)
-    return out
+from run_objects import LATER, NOW, cond, make_run, workloads
 
 
 def child(manifests: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     return next(m for m in manifests if m["kind"] == kind and m["metadata"]["name"] == name)
-
-
-def cond(status: dict[str, Any], ctype: str) -> dict[str, Any]:
-    return next(c for c in status["conditions"] if c["type"] == ctype)
 
 
 def test_pending_without_children_then_initializing_then_running_and_ready() -> None:

@@ -1,0 +1,113 @@
+"""The trainer StatefulSet's rendered torchrun command on two nodes, emulated on this host (issue 12's CPU part).
+
+``trainer.nodes: 2`` on CPU renders a StatefulSet of two pods; ``rlrun local``'s plan turns each pod into a
+local process exactly as a kubelet would (``$(VAR)`` expansion, the node rank from the pod ordinal label,
+pod 0's DNS name -> 127.0.0.1, the master port -> pod 0's local port). Two torchrun agents (``--nnodes 2``)
+then rendezvous over gloo and train on synthetic batches. The two-node update must equal a one-node run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from rlrun_api import constants as c
+from rlrun_runtime.local import get_plan, load_run
+from rlrun_runtime.storage import RunStorage
+from tiny_qwen3 import save_model_dir
+from trainer_batches import write_batch
+
+STEPS = 2
+
+
+def write_run(tmp: Path, model_dir: Path, nodes: int) -> Path:
+    run = {
+        "apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": f"multinode-{nodes}"},
+        "spec": {
+            "model": {"name": str(model_dir), "dtype": "float32"},
+            "environment": {"type": "builtin", "name": "reverse-words"},
+            "algorithm": {"rolloutsPerPrompt": 4, "batchSize": 8, "microBatchSize": 2, "maxSteps": STEPS,
+                          "learningRate": 1e-3},
+            "trainer": {"nodes": nodes, "gpusPerNode": 0, "checkpoint": {"intervalSteps": STEPS}},
+        },
+    }
+    path = tmp / f"run-{nodes}.yaml"
+    path.write_text(yaml.safe_dump(run))
+    return path
+
+
+def run_trainer_pods(path: Path, output_dir: Path, timeout: float = 240) -> list[tuple[str, tuple[str, ...], str]]:
+    """Start the plan's trainer pods (and nothing else) on batches 1..STEPS; (pod, argv, log) per pod."""
+    plan = get_plan(load_run(str(path)), output_dir, dict(os.environ, OMP_NUM_THREADS="1"))
+    for file, text in plan.files.items():
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(text)
+    storage = RunStorage(output_dir)
+    for step in range(1, STEPS + 1):
+        write_batch(storage, step)
+    pods = plan.by_component(c.COMPONENT_TRAINER)
+    procs = []
+    try:
+        for pod in pods:
+            pod.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(pod.log_path, "w") as log:
+                procs.append(subprocess.Popen(list(pod.argv), env=dict(pod.env), stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    results = [(pod.name, pod.argv, pod.log_path.read_text()) for pod in pods]
+    for (name, _, log), proc in zip(results, procs):
+        assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{log[-3000:]}"
+    return results
+
+
+@pytest.mark.timeout(600)
+def test_two_torchrun_agents_from_the_rendered_statefulset_train_like_one_node(tmp_path: Path) -> None:
+    model_dir = save_model_dir(tmp_path / "model")
+    two = run_trainer_pods(write_run(tmp_path, model_dir, nodes=2), tmp_path / "two")
+    # The rendered command line, expanded per pod: node ranks 0 and 1 of two nodes, one gloo rank each,
+    # both agents pointed at pod 0's local rendezvous port.
+    assert [name for name, _, _ in two] == ["multinode-2-trainer-0", "multinode-2-trainer-1"]
+    flags = [{a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.startswith("--") and "=" in a}
+             for _, argv, _ in two]
+    assert [f["--node-rank"] for f in flags] == ["0", "1"]
+    assert {f["--nnodes"] for f in flags} == {"2"} and {f["--nproc-per-node"] for f in flags} == {"1"}
+    assert {f["--master-addr"] for f in flags} == {"127.0.0.1"} and len({f["--master-port"] for f in flags}) == 1
+    assert two[0][1][0] == "torchrun" and two[0][1][-3:-1] == ("trainer", "--config")
+    assert "world 2" in two[0][2]
+
+    one = run_trainer_pods(write_run(tmp_path, model_dir, nodes=1), tmp_path / "one")
+    assert "world 1" in one[0][2]
+    two_storage, one_storage = RunStorage(tmp_path / "two"), RunStorage(tmp_path / "one")
+    # Rank 0 alone publishes weights and metrics; every rank writes its shard of the checkpoint.
+    steps = [json.loads(line)["step"] for line in two_storage.metrics_file.read_text().splitlines()]
+    assert steps == list(range(1, STEPS + 1))
+    assert sorted(p.name for p in two_storage.checkpoint(STEPS).iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "rank-0.pt", "rank-1.pt", "trainer_state.json"]
+    # The same update as one node (strided batch split, gradients averaged over the two ranks), up to
+    # float summation order; and it moved the weights.
+    two_weights = load_file(two_storage.weights(STEPS) / "model.safetensors")
+    one_weights = load_file(one_storage.weights(STEPS) / "model.safetensors")
+    initial = load_file(model_dir / "model.safetensors")
+    assert two_weights.keys() == one_weights.keys()
+    for key in two_weights:
+        torch.testing.assert_close(two_weights[key], one_weights[key], atol=2e-5, rtol=1e-4, msg=key)
+    assert max((two_weights[k] - initial[k]).abs().max().item() for k in initial if k in two_weights) > 1e-4
+    losses = [[json.loads(line)["loss"] for line in s.metrics_file.read_text().splitlines()]
+              for s in (two_storage, one_storage)]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
