@@ -8,9 +8,18 @@ EXAMPLE ?= examples/rlrun-tiny.yaml
 # A new output directory per `make local`, so running it again never trips over the last run's state.
 OUTPUT ?= outputs/tiny-reverse-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: install local test sync-crd
+.PHONY: install local test sync-crd prometheus
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed prometheus
+
+# Debian's prometheus package (prometheus and promtool: the chart's monitoring tests), when either is
+# missing; apt-get runs as root (through sudo when make does not).
+SUDO = $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+prometheus:
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
+	fi
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

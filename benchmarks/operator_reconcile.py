@@ -53,8 +53,11 @@ class TimedEmulator(FidelityEmulator):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self.child_times: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+        self.calls: list[str] = []  # "VERB Kind[/subresource]" of every request, in arrival order
 
     async def _handle(self, request: kmock.Request) -> Any:
+        kind = self.kind_of(request.resource) if request.resource is not None else "-"
+        self.calls.append(f"{request.method.value} {kind}" + (f"/{request.subresource}" if request.subresource else ""))
         response = await super()._handle(request)
         if request.action == enums.action.CREATE and request.resource is not None \
                 and 200 <= response.status < 300 and self.kind_of(request.resource) in CHILD_KINDS:
@@ -139,10 +142,11 @@ def stop_operator(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc)."""
+def cpu_seconds(pid: int, which: str = "both") -> float:
+    """User + system (``which``: "user" or "system" alone) CPU seconds of a process (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = {"user": int(fields[11]), "system": int(fields[12])}
+    return (sum(ticks.values()) if which == "both" else ticks[which]) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -192,7 +196,9 @@ async def main(runs: int, interval: float, operator_cpus: set[int] | None = None
 
                 start_writes = len(emu.writes)
                 cpu_server0, cpu_operator0 = time.process_time(), cpu_seconds(proc.pid)
+                cpu_operator_sys0 = cpu_seconds(proc.pid, "system")
                 requests0 = len(emu._requests)  # every request kmock parsed (kmock keeps them all)
+                calls0 = len(emu.calls)
                 t0 = time.perf_counter()
                 await asyncio.gather(*(create(i) for i in range(runs)))
                 t_created = time.perf_counter() - t0
@@ -203,9 +209,21 @@ async def main(runs: int, interval: float, operator_cpus: set[int] | None = None
                 t_all = time.perf_counter() - t0
                 cpu_server = time.process_time() - cpu_server0
                 cpu_operator = cpu_seconds(proc.pid) - cpu_operator0
+                cpu_operator_sys = cpu_seconds(proc.pid, "system") - cpu_operator_sys0
                 load = os.getloadavg()[0]
                 served = len(emu._requests) - requests0
+                calls = collections.Counter(emu.calls[calls0:])
                 latencies = [max(emu.child_times[key]) - created[key] for key in created]
+                # Converged: every run's writes done (its children, kopf's finalizer and annotation patches, our
+                # status patch, the phase Event): the operator's whole work for a new run, wherever the
+                # window above happened to cut it.
+                wanted = {"children": EXPECTED_CHILDREN * runs, constants.KIND: 4 * runs, "Event": runs}
+                while any(count_writes(emu, start_writes)[k] < n for k, n in wanted.items()) \
+                        and time.perf_counter() - t0 < 120:
+                    await asyncio.sleep(0.02)
+                t_converged = time.perf_counter() - t0
+                cpu_converged = cpu_seconds(proc.pid) - cpu_operator0
+                calls_converged = collections.Counter(emu.calls[calls0:])
                 await wait_quiet(emu, quiet_s=interval * 2.5, limit_s=120)
                 converge = count_writes(emu, start_writes)
 
@@ -232,9 +250,15 @@ async def main(runs: int, interval: float, operator_cpus: set[int] | None = None
     print(f"all {runs} POSTs answered in {t_created:.2f} s; all children of all runs present after {t_all:.2f} s")
     print(f"CPU seconds until then: API server (kmock, this process) {cpu_server:.2f} for {served} requests "
           f"({1000 * cpu_server / max(served, 1):.1f} ms each), operator {cpu_operator:.2f} "
-          f"({1000 * cpu_operator / runs:.0f} ms per run); 1-min load average {load:.1f} on {os.cpu_count()} cores "
+          f"({1000 * cpu_operator / runs:.1f} ms per run, {1000 * cpu_operator_sys / runs:.1f} of it in the kernel); 1-min load average {load:.1f} on {os.cpu_count()} cores "
           f"(emulator on cores {sorted(os.sched_getaffinity(0))}, operator on "
           f"{sorted(operator_cpus) if operator_cpus else 'the same'})")
+    print(f"every run converged (children, status, kopf's patches, Event) after {t_converged:.2f} s: operator CPU "
+          f"{cpu_converged:.2f} s ({1000 * cpu_converged / runs:.1f} ms per run) for "
+          f"{sum(calls_converged.values()) / runs:.2f} requests per run "
+          f"({', '.join(f'{call} {n / runs:.2f}' for call, n in calls_converged.most_common() if not call.startswith('POST '))}"
+          f"{' and POSTs' if calls_converged else ''})")
+    print("requests until all children were present, per run: " + ", ".join(f"{call} {n / runs:.2f}" for call, n in calls.most_common()))
     print(f"create -> all children present: p50 {statistics.median(latencies):.2f} s, "
           f"p99 {percentile(latencies, 0.99):.2f} s, max {max(latencies):.2f} s")
     print(f"write calls per run while converging: children {converge['children'] / runs:.2f}, "

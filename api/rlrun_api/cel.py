@@ -346,12 +346,26 @@ def to_cel(value: Any, schema: dict[str, Any] | None,
     return _to_cel(value, schema, memo)
 
 
+_INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
 def _to_cel(value: Any, schema: dict[str, Any] | None,
             memo: dict[tuple[int, int], celtypes.Value] | None) -> celtypes.Value:
+    # The CEL values are built with the builtin constructors of their base types (int, float, str, dict):
+    # the same values cel-python's own constructors make for these inputs, without their per-call
+    # dispatch (IntType's wraps a range-check closure with functools.wraps on every call). Integers
+    # outside int64 still go through IntType, which raises as before.
     schema = schema or {}
     kind = schema.get("type")
     if value is None:
         return None
+    vtype = type(value)
+    if kind == "string" and vtype is str:
+        return str.__new__(celtypes.StringType, value)
+    if kind == "number" and (vtype is int or vtype is float):
+        return float.__new__(celtypes.DoubleType, value)
+    if kind == "integer" and vtype is int:
+        return int.__new__(celtypes.IntType, value) if _INT64_MIN <= value <= _INT64_MAX else celtypes.IntType(value)
     if kind == "number" and isinstance(value, (int, float)) and not isinstance(value, bool):
         return celtypes.DoubleType(value)
     if kind == "integer" and isinstance(value, int) and not isinstance(value, bool):
@@ -361,11 +375,12 @@ def _to_cel(value: Any, schema: dict[str, Any] | None,
     if kind == "object" and isinstance(value, dict) and ("properties" in schema or "additionalProperties" in schema):
         props = schema.get("properties") or {}
         extra = schema.get("additionalProperties")
-        out = {}
+        extra = extra if isinstance(extra, dict) else None
+        out = celtypes.MapType()
         for key, item in value.items():
-            sub = props.get(key, extra if isinstance(extra, dict) else None)
-            out[celtypes.StringType(key)] = to_cel(item, sub, memo)
-        return celtypes.MapType(out)
+            out[str.__new__(celtypes.StringType, key) if type(key) is str else celtypes.StringType(key)] = \
+                to_cel(item, props.get(key, extra), memo)
+        return out
     return celpy.json_to_cel(value)
 
 

@@ -13,6 +13,19 @@ API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "RLRun"
 PLURAL = "rlruns"
 
+# --- The operator's own settings ---------------------------------------------------------------
+OPERATOR_STATUS_INTERVAL_S = 5.0  # default seconds between status refreshes of a run (rlrun-operator --status-interval)
+
+# Namespace of the operator's pods when it is not told otherwise: the README's `helm install -n rlrun-system`.
+DEFAULT_OPERATOR_NAMESPACE = "rlrun-system"
+# The operator's own namespace, set by the chart from the downward API (metadata.namespace).
+ENV_OPERATOR_NAMESPACE = "RLRUN_OPERATOR_NAMESPACE"
+# Where the operator finds Kubernetes credentials, like `kopf run`: set in every pod (in-cluster service
+# account), else the kubeconfig files (first path used; default ~/.kube/config).
+ENV_KUBERNETES_SERVICE_HOST = "KUBERNETES_SERVICE_HOST"
+ENV_KUBECONFIG = "KUBECONFIG"
+DEFAULT_KUBECONFIG = "~/.kube/config"
+
 # --- Ports (container ports; `rlrun local` maps each to a free loopback port) ---------------------
 INFERENCE_PORT = 8000          # vLLM OpenAI server: completions, /metrics and the RL admin endpoints
 ROUTER_PORT = 8000             # vllm-router API
@@ -22,9 +35,10 @@ TRAINER_MASTER_PORT = 29500    # torchrun rendezvous (c10d) on trainer pod 0
 NIXL_SIDE_CHANNEL_PORT = 5600  # VLLM_NIXL_SIDE_CHANNEL_PORT: NIXL handshake between prefill and decode
 SERVICE_DISCOVERY_PORT = INFERENCE_PORT  # port vllm-router uses for pods it discovers
 TRAINER_METRICS_PORT = 9091     # trainer rank 0: Prometheus metrics and liveness
+WEIGHT_PUSH_PORT = 29600       # trainer rank 0: TCPStore rendezvous of the push weight transports (gloo, nccl)
+WEIGHT_PUSH_PORT_NAME = "weight-push"  # its name on the trainer pods and Service (push transports only)
 OPERATOR_METRICS_PORT = 8080
 OPERATOR_HEALTH_PORT = 8081
-OPERATOR_STATUS_INTERVAL_S = 5.0  # default seconds between status refreshes of a run (rlrun-operator --status-interval)
 
 # --- Labels and annotations ---------------------------------------------------------------------
 LABEL_NAME = "app.kubernetes.io/name"
@@ -35,15 +49,6 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 APP_NAME = "rlrun"
 MANAGED_BY = "rlrun-operator"
 OPERATOR_APP_NAME = "rlrun-operator"  # app.kubernetes.io/name of the operator's own pods (NetworkPolicy peer)
-# Namespace of the operator's pods when it is not told otherwise: the README's `helm install -n rlrun-system`.
-DEFAULT_OPERATOR_NAMESPACE = "rlrun-system"
-# The operator's own namespace, set by the chart from the downward API (metadata.namespace).
-ENV_OPERATOR_NAMESPACE = "RLRUN_OPERATOR_NAMESPACE"
-# Where the operator finds Kubernetes credentials, like `kopf run`: set in every pod (in-cluster service
-# account), else the kubeconfig files (first path used; default ~/.kube/config).
-ENV_KUBERNETES_SERVICE_HOST = "KUBERNETES_SERVICE_HOST"
-ENV_KUBECONFIG = "KUBECONFIG"
-DEFAULT_KUBECONFIG = "~/.kube/config"
 # Label every namespace carries (Kubernetes >= 1.22): how a NetworkPolicy selects one namespace by name.
 LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
 LABEL_POD_INDEX = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller (Kubernetes >= 1.28)
@@ -79,7 +84,7 @@ ENV_INFERENCE_ROLE = "RLRUN_INFERENCE_ROLE"  # prefill | decode | both
 ENV_INFERENCE_PORT = "RLRUN_INFERENCE_PORT"
 ENV_INFERENCE_ENDPOINTS = "RLRUN_INFERENCE_ENDPOINTS"  # comma-separated host:port; a host may resolve to many pods
 # The prefill pool's part of ENV_INFERENCE_ENDPOINTS (P/D runs only): the orchestrator pauses those engines
-# after the decode engines and resumes them first (runtime/rlrun_runtime/weights/update.py says why).
+# before the decode engines and resumes them last (runtime/rlrun_runtime/weights/update.py says why).
 ENV_PREFILL_ENDPOINTS = "RLRUN_PREFILL_ENDPOINTS"
 ENV_ROUTER_URL = "RLRUN_ROUTER_URL"          # http://host:port the orchestrator sends completions to
 ENV_ROUTER_PORT = "RLRUN_ROUTER_PORT"
@@ -102,7 +107,17 @@ ENV_NNODES = "NNODES"
 ENV_NPROC_PER_NODE = "NPROC_PER_NODE"
 ENV_VLLM_DEV_MODE = "VLLM_SERVER_DEV_MODE"
 ENV_VLLM_CPU_KVCACHE_SPACE = "VLLM_CPU_KVCACHE_SPACE"
+# Read by rlrun's vLLM plugin (runtime/rlrun_runtime/vllm_plugin.py, which says why) in every vLLM process:
+# the most an idle vLLM process sleeps on a lost shared-memory wake-up, in ms (vLLM 0.32's own bound is 5000),
+# and the pause of NIXL's UCX progress thread between polls on CPU servers, in microseconds (NIXL's is 0: a spin).
+ENV_VLLM_SHM_RECHECK_MS = "RLRUN_VLLM_SHM_RECHECK_MS"
+VLLM_SHM_RECHECK_MS = 50
+ENV_NIXL_PROGRESS_DELAY_US = "RLRUN_NIXL_PROGRESS_DELAY_US"
+CPU_NIXL_PROGRESS_DELAY_US = 1000
 ENV_TRAINER_METRICS_PORT = "RLRUN_TRAINER_METRICS_PORT"  # override of TRAINER_METRICS_PORT (local runs)
+ENV_WEIGHT_PUSH_PORT = "RLRUN_WEIGHT_PUSH_PORT"  # override of WEIGHT_PUSH_PORT (local runs, tests; 0: any free port)
+# The push weight transports (spec.weightSync.transport) and the vLLM weight-transfer backend each uses.
+PUSH_TRANSPORTS = {"gloo": "gloo", "nccl": "nccl"}
 # Address the inference, router and orchestrator servers listen on (default 0.0.0.0 in pods); `rlrun local`
 # and the tests set 127.0.0.1 so that nothing listens beyond loopback.
 ENV_BIND_HOST = "RLRUN_BIND_HOST"
@@ -111,6 +126,28 @@ DEFAULT_BIND_HOST = "0.0.0.0"
 INFERENCE_ROLE_PREFILL = "prefill"  # vLLM kv_producer
 INFERENCE_ROLE_DECODE = "decode"    # vLLM kv_consumer
 INFERENCE_ROLE_BOTH = "both"        # no KV connector (disaggregation off)
+INFERENCE_ROLES = (INFERENCE_ROLE_PREFILL, INFERENCE_ROLE_DECODE, INFERENCE_ROLE_BOTH)
+# A stopping inference server (SIGTERM: scale-down, rollout, suspend) keeps serving what it has in flight for at
+# most this long before it exits: vLLM's --shutdown-timeout drain mode, in which the engine also waits for the
+# KV blocks a prefill server still holds for decode (vLLM's kv_lease_duration, 30 s by default), so a scale-down
+# loses neither running rollouts nor KV transfers. The pod's grace period leaves vLLM time to tear down after it.
+INFERENCE_DRAIN_SECONDS = 60
+INFERENCE_TERMINATION_GRACE_SECONDS = INFERENCE_DRAIN_SECONDS + 30
+
+# --- The role contract's env names -------------------------------------------------------------------
+# Every variable rlrun sets in some container except ENV_VLLM_CPU_KVCACHE_SPACE, a default that spec.pod.env
+# may override (it comes later in the env list; the kubelet keeps the last value of a name). spec.pod.env
+# applies to every container, so it may name none of these (tests check that rendered containers set
+# nothing else).
+RESERVED_ENV_NAMES = frozenset({
+    ENV_CONFIG, ENV_STORAGE_DIR, ENV_RUN_NAME, ENV_NAMESPACE, ENV_POD_IP,
+    ENV_NNODES, ENV_NPROC_PER_NODE, ENV_NODE_RANK, ENV_MASTER_ADDR, ENV_MASTER_PORT,
+    ENV_TRAINER_METRICS_PORT,
+    ENV_INFERENCE_ROLE, ENV_INFERENCE_PORT, ENV_VLLM_DEV_MODE, ENV_NIXL_SIDE_CHANNEL_PORT,
+    ENV_NIXL_SIDE_CHANNEL_HOST,
+    ENV_ROUTER_DISCOVERY, ENV_ROUTER_PORT, ENV_ROUTER_METRICS_PORT,
+    ENV_ROUTER_URL, ENV_INFERENCE_ENDPOINTS, ENV_PREFILL_ENDPOINTS, ENV_METRICS_PORT,
+})
 
 # --- Files -------------------------------------------------------------------------------------
 CONFIG_MOUNT_DIR = "/etc/rlrun"
@@ -123,58 +160,11 @@ DEFAULT_STORAGE_SIZE = "100Gi"
 
 # --- Names ---------------------------------------------------------------------------------------
 SERVED_MODEL_NAME = "policy"  # vLLM --served-model-name: the name requests use, whatever the weights
+# The worker-extension method of rlrun_runtime.vllm_worker that the orchestrator calls through vLLM's
+# POST /collective_rpc to reload weights in place (the name is the contract between the two processes).
+VLLM_RELOAD_METHOD = "rlrun_reload_weights"
 TINY_MODEL_NAME = "rlrun-tiny"  # spec.model.name that makes the runtime build the tiny local model
 
-# --- Metrics the orchestrator serves (the operator scrapes them into RLRun status) ----------------
-METRIC_STEP = "rlrun_orchestrator_step"                          # last completed trainer step
-METRIC_POLICY_VERSION = "rlrun_orchestrator_policy_version"      # version loaded by every inference server
-METRIC_LAST_REWARD = "rlrun_orchestrator_last_reward"            # mean reward of the last batch
-METRIC_WEIGHT_UPDATE_IN_FLIGHT = "rlrun_orchestrator_weight_update_in_flight"  # 1 while servers are paused
-METRIC_MAX_STEPS = "rlrun_orchestrator_max_steps"
-METRIC_STALLED_ENGINES = "rlrun_orchestrator_stalled_engines"  # engines silent >= ENGINE_STALL_AFTER_S
-ENGINE_STALL_AFTER_S = 10.0  # an engine that has not answered the orchestrator this long is reported stalled
-METRIC_ENGINES_OUT_OF_SERVICE = "rlrun_orchestrator_engines_out_of_service"  # left paused by a failed update
-# Completions vLLM cut at max_tokens (finish_reason "length"), whatever spec.algorithm.truncation does with them.
-METRIC_TRUNCATED_ROLLOUTS = "rlrun_orchestrator_truncated_rollouts"           # counter (exposed with _total)
-# Prompts skipped before any request because they leave no room under model.maxModelLen; label reason.
-METRIC_DROPPED_PROMPTS = "rlrun_orchestrator_dropped_prompts"                 # counter {reason="too_long"}
-METRIC_SCORER_ERRORS = "rlrun_orchestrator_scorer_errors"                     # counter: env.score raised
-# Consecutive batches without a trainable sample (spec.algorithm.maxEmptyBatches ends the run at that many).
-METRIC_EMPTY_BATCH_STREAK = "rlrun_orchestrator_empty_batch_streak"           # gauge
-# What the autoscaler reads from the orchestrator (operator/rlrun_operator/autoscale.py). Counters are
-# exposed with _total; a 15 s scrape misses sub-second pauses, hence a counter and the last resume's time.
-METRIC_WEIGHT_UPDATES = "rlrun_orchestrator_weight_updates"                   # counter: finished weight updates
-METRIC_LAST_RESUME_TIME = "rlrun_orchestrator_last_resume_timestamp_seconds"  # gauge: unix time of the last resume
-METRIC_DATA_WAIT_SECONDS = "rlrun_orchestrator_trainer_wait_seconds"          # counter: trainer waited for data
-METRIC_GATE_WAIT_SECONDS = "rlrun_orchestrator_gate_wait_seconds"             # counter: generation held by the async gate
-# vLLM's queue depth, scraped from every inference pod by the autoscaler
-VLLM_METRIC_WAITING = "vllm:num_requests_waiting"
-VLLM_METRIC_RUNNING = "vllm:num_requests_running"
-# Waiting requests by reason {reason="capacity"|"deferred"}; on a decode server "deferred" counts requests
-# whose KV is still arriving from prefill (not decode load): the autoscaler reads decode's queue as capacity.
-VLLM_METRIC_WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
-VLLM_WAITING_REASON_CAPACITY = "capacity"
-VLLM_METRIC_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"                       # 0..1
-# NixlConnector's stats on a decode server: one histogram observation per KV transfer, failed transfers
-VLLM_METRIC_NIXL_TRANSFER_SECONDS = "vllm:nixl_xfer_time_seconds"                # histogram (_count: transfers)
-VLLM_METRIC_NIXL_FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers"            # counter (exposed with _total)
-# What the operator exports about its autoscaler (per run; role = prefill | decode)
-OPERATOR_METRIC_DESIRED_REPLICAS = "rlrun_operator_autoscaler_desired_replicas"  # gauge: replicas after the last decision
-OPERATOR_METRIC_CURRENT_REPLICAS = "rlrun_operator_autoscaler_current_replicas"  # gauge: ready replicas observed
-OPERATOR_METRIC_SCALING_DECISIONS = "rlrun_operator_autoscaler_decisions"         # counter {action, code} (_total)
-# Events the autoscaler posts on its RLRun
-EVENT_SCALED_PREFILL = "ScaledPrefill"
-EVENT_SCALED_DECODE = "ScaledDecode"
-EVENT_AUTOSCALER_DRY_RUN = "AutoscalerDryRun"
-EVENT_REPLICAS_EDITED = "ReplicasEditedByHand"
-# Events a reconcile posts when the spec's size fields change (apply.plan_replicas)
-EVENT_RESIZED = "Resized"                                # a pool resized to the new spec
-EVENT_RESIZE_LEFT_TO_AUTOSCALER = "ResizeLeftToAutoscaler"  # autoscaling on: the spec's sizes are not applied
-# spec.autoscaling.thresholds without a CRD schema default (one would rewrite every run's ConfigMap on
-# upgrade): views.AutoscalingView.from_spec applies these; docs/operator.md ("Autoscaling") says why each.
-DEFAULT_MAX_KV_CACHE_USAGE = 0.8     # maxKvCacheUsage: 20 % KV headroom after a shrink
-DEFAULT_GATED_FRACTION = 0.5         # gatedFraction: generation held most of the interval
-DEFAULT_TRAINER_WAIT_FRACTION = 0.2  # trainerWaitFraction: the trainer idles a fifth of the time for data
 
 # --- Algorithm defaults applied by the views (no CRD schema default: see OrchestratorView) --------
 DEFAULT_MAX_EMPTY_BATCHES = 3      # spec.algorithm.maxEmptyBatches: consecutive empty batches that fail the run
@@ -219,6 +209,36 @@ DNS_LABEL_MAX_LENGTH = 63  # DNS-1035 label: Service names, label values (Kubern
 # name may have at most 52 characters (kubernetes/kubernetes issue 64023).
 STATEFULSET_NAME_MAX_LENGTH = 52
 
+# --- Metrics the orchestrator serves (the operator scrapes them into RLRun status) ----------------
+METRIC_STEP = "rlrun_orchestrator_step"                          # last completed trainer step
+METRIC_POLICY_VERSION = "rlrun_orchestrator_policy_version"      # version loaded by every inference server
+METRIC_LAST_REWARD = "rlrun_orchestrator_last_reward"            # mean reward of the last batch
+METRIC_WEIGHT_UPDATE_IN_FLIGHT = "rlrun_orchestrator_weight_update_in_flight"  # 1 while servers are paused
+METRIC_MAX_STEPS = "rlrun_orchestrator_max_steps"
+METRIC_STALLED_ENGINES = "rlrun_orchestrator_stalled_engines"  # engines silent >= ENGINE_STALL_AFTER_S
+ENGINE_STALL_AFTER_S = 10.0  # an engine that has not answered the orchestrator this long is reported stalled
+METRIC_ENGINES_OUT_OF_SERVICE = "rlrun_orchestrator_engines_out_of_service"  # left paused by a failed update
+# Completions vLLM cut at max_tokens (finish_reason "length"), whatever spec.algorithm.truncation does with them.
+METRIC_TRUNCATED_ROLLOUTS = "rlrun_orchestrator_truncated_rollouts"           # counter (exposed with _total)
+# Prompts skipped before any request because they leave no room under model.maxModelLen; label reason.
+METRIC_DROPPED_PROMPTS = "rlrun_orchestrator_dropped_prompts"                 # counter {reason="too_long"}
+METRIC_SCORER_ERRORS = "rlrun_orchestrator_scorer_errors"                     # counter: env.score raised
+# Consecutive batches without a trainable sample (spec.algorithm.maxEmptyBatches ends the run at that many).
+METRIC_EMPTY_BATCH_STREAK = "rlrun_orchestrator_empty_batch_streak"           # gauge
+# What the autoscaler reads from the orchestrator (operator/rlrun_operator/autoscale.py). Counters are
+# exposed with _total; a 15 s scrape misses sub-second pauses, hence a counter and the last resume's time.
+METRIC_WEIGHT_UPDATES = "rlrun_orchestrator_weight_updates"                   # counter: finished weight updates
+METRIC_LAST_RESUME_TIME = "rlrun_orchestrator_last_resume_timestamp_seconds"  # gauge: unix time of the last resume
+METRIC_DATA_WAIT_SECONDS = "rlrun_orchestrator_trainer_wait_seconds"          # counter: trainer waited for data
+METRIC_GATE_WAIT_SECONDS = "rlrun_orchestrator_gate_wait_seconds"             # counter: generation held by the async gate
+METRIC_WEIGHT_UPDATE_SECONDS = "rlrun_orchestrator_weight_update_seconds"     # histogram: pause->resume per engine
+METRIC_WEIGHT_UPDATE_FAILURES = "rlrun_orchestrator_weight_update_failures"   # counter: rounds failed on some engine
+METRIC_BATCH_STEP = "rlrun_orchestrator_batch_step"                           # gauge: last batch written
+METRIC_ROLLOUTS = "rlrun_orchestrator_rollouts"                               # counter: completions scored
+METRIC_GENERATED_TOKENS = "rlrun_orchestrator_generated_tokens"               # counter: completion tokens
+METRIC_DROPPED_GROUPS = "rlrun_orchestrator_dropped_groups"                   # counter {reason}
+METRIC_DROPPED_SAMPLES = "rlrun_orchestrator_dropped_samples"                 # counter {reason}
+
 # --- Metrics the trainer serves on TRAINER_METRICS_PORT (rank 0; also the probes' endpoint) ----------
 METRIC_TRAINER_STEP = "rlrun_trainer_step"                          # last completed step = policy version
 METRIC_TRAINER_LOSS = "rlrun_trainer_loss"
@@ -226,17 +246,52 @@ METRIC_TRAINER_MISMATCH_KL = "rlrun_trainer_mismatch_kl"
 METRIC_TRAINER_TOKENS_PER_SECOND = "rlrun_trainer_tokens_per_second"
 METRIC_TRAINER_WAIT_SECONDS = "rlrun_trainer_wait_seconds"          # time the last step waited for its batch
 
-# --- The role contract's env names -------------------------------------------------------------------
-# Every variable rlrun sets in some container except ENV_VLLM_CPU_KVCACHE_SPACE, a default that spec.pod.env
-# may override (it comes later in the env list; the kubelet keeps the last value of a name). spec.pod.env
-# applies to every container, so it may name none of these (tests check that rendered containers set
-# nothing else).
-RESERVED_ENV_NAMES = frozenset({
-    ENV_CONFIG, ENV_STORAGE_DIR, ENV_RUN_NAME, ENV_NAMESPACE, ENV_POD_IP,
-    ENV_NNODES, ENV_NPROC_PER_NODE, ENV_NODE_RANK, ENV_MASTER_ADDR, ENV_MASTER_PORT,
-    ENV_TRAINER_METRICS_PORT,
-    ENV_INFERENCE_ROLE, ENV_INFERENCE_PORT, ENV_VLLM_DEV_MODE, ENV_NIXL_SIDE_CHANNEL_PORT,
-    ENV_NIXL_SIDE_CHANNEL_HOST,
-    ENV_ROUTER_DISCOVERY, ENV_ROUTER_PORT, ENV_ROUTER_METRICS_PORT,
-    ENV_ROUTER_URL, ENV_INFERENCE_ENDPOINTS, ENV_PREFILL_ENDPOINTS, ENV_METRICS_PORT,
-})
+# --- Metrics vLLM serves (read by the autoscaler and the tests) -----------------------------------
+# vLLM's queue depth, scraped from every inference pod by the autoscaler
+VLLM_METRIC_WAITING = "vllm:num_requests_waiting"
+VLLM_METRIC_RUNNING = "vllm:num_requests_running"
+# Waiting requests by reason {reason="capacity"|"deferred"}; on a decode server "deferred" counts requests
+# whose KV is still arriving from prefill (not decode load): the autoscaler reads decode's queue as capacity.
+VLLM_METRIC_WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+VLLM_WAITING_REASON_CAPACITY = "capacity"
+VLLM_METRIC_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"                       # 0..1
+# NixlConnector's stats on a decode server: one histogram observation per KV transfer, failed transfers
+VLLM_METRIC_NIXL_TRANSFER_SECONDS = "vllm:nixl_xfer_time_seconds"                # histogram (_count: transfers)
+VLLM_METRIC_NIXL_FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers"            # counter (exposed with _total)
+
+# --- Metrics the operator serves (operator/rlrun_operator/metrics.py) -----------------------------
+# What the operator exports about its autoscaler (per run; role = prefill | decode)
+OPERATOR_METRIC_DESIRED_REPLICAS = "rlrun_operator_autoscaler_desired_replicas"  # gauge: replicas after the last decision
+OPERATOR_METRIC_CURRENT_REPLICAS = "rlrun_operator_autoscaler_current_replicas"  # gauge: ready replicas observed
+OPERATOR_METRIC_SCALING_DECISIONS = "rlrun_operator_autoscaler_decisions"         # counter {action, code} (_total)
+# The operator's own health and what it re-exports per run (operator/rlrun_operator/metrics.py; the chart's
+# dashboard and alert rules query these names: docs/monitoring.md)
+OPERATOR_METRIC_RECONCILES = "rlrun_operator_reconciles"                  # counter {trigger} (_total)
+OPERATOR_METRIC_STATUS_REFRESHES = "rlrun_operator_status_refreshes"      # counter {namespace, name} (_total)
+OPERATOR_METRIC_RECONCILE_ERRORS = "rlrun_operator_reconcile_errors"      # counter {stage} (_total)
+OPERATOR_METRIC_RECONCILE_SECONDS = "rlrun_operator_reconcile_duration_seconds"  # histogram
+OPERATOR_METRIC_CHILD_WRITES = "rlrun_operator_child_writes"              # counter {action} (_total)
+OPERATOR_METRIC_RUNS = "rlrun_operator_runs"                              # gauge {phase}: runs per status.phase
+OPERATOR_METRIC_RUN_STEP = "rlrun_operator_run_step"                      # gauge {namespace, name}
+OPERATOR_METRIC_RUN_POLICY_VERSION = "rlrun_operator_run_policy_version"  # gauge {namespace, name}
+OPERATOR_METRIC_RUN_LAST_REWARD = "rlrun_operator_run_last_reward"        # gauge {namespace, name}
+OPERATOR_METRIC_RUN_WEIGHT_UPDATE = "rlrun_operator_run_weight_update_in_flight"  # gauge {namespace, name}: 0/1
+OPERATOR_METRIC_RUN_CONDITION = "rlrun_operator_run_condition"            # gauge {namespace, name, type}: 1 True, 0 not
+OPERATOR_METRIC_QUEUE_DEPTH = "rlrun_operator_queue_depth"                # gauge {namespace, name, role}
+
+# --- Events the operator posts on an RLRun ---------------------------------------------------------
+# Events the autoscaler posts on its RLRun
+EVENT_SCALED_PREFILL = "ScaledPrefill"
+EVENT_SCALED_DECODE = "ScaledDecode"
+EVENT_AUTOSCALER_DRY_RUN = "AutoscalerDryRun"
+EVENT_REPLICAS_EDITED = "ReplicasEditedByHand"
+# Events a reconcile posts when the spec's size fields change (apply.plan_replicas)
+EVENT_RESIZED = "Resized"                                # a pool resized to the new spec
+EVENT_RESIZE_LEFT_TO_AUTOSCALER = "ResizeLeftToAutoscaler"  # autoscaling on: the spec's sizes are not applied
+
+# --- Autoscaling defaults applied by the views ------------------------------------------------------
+# spec.autoscaling.thresholds without a CRD schema default (one would rewrite every run's ConfigMap on
+# upgrade): views.AutoscalingView.from_spec applies these; docs/operator.md ("Autoscaling") says why each.
+DEFAULT_MAX_KV_CACHE_USAGE = 0.8     # maxKvCacheUsage: 20 % KV headroom after a shrink
+DEFAULT_GATED_FRACTION = 0.5         # gatedFraction: generation held most of the interval
+DEFAULT_TRAINER_WAIT_FRACTION = 0.2  # trainerWaitFraction: the trainer idles a fifth of the time for data

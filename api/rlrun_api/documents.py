@@ -39,6 +39,18 @@ def load_documents(path: str | Path) -> list[dict[str, Any]]:
     return parse_documents(text, str(path))
 
 
+def get_single(docs: list[dict[str, Any]], source: str, reader: str) -> dict[str, Any]:
+    """The one RLRun of ``docs`` (read from ``source``), for a ``reader`` that takes one per file.
+
+    Raises:
+        SpecFileError: ``docs`` holds more than one document, e.g. "run.yaml: holds 2 RLRun documents; rlrun
+            render reads exactly one per file".
+    """
+    if len(docs) != 1:
+        raise SpecFileError(f"{source}: holds {len(docs)} RLRun documents; {reader} reads exactly one per file")
+    return docs[0]
+
+
 class DuplicateKeyError(yaml.YAMLError):
     """A YAML mapping holds the same key twice (``key``; 1-based ``line`` of the repeat, ``first_line``)."""
 

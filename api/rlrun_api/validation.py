@@ -380,10 +380,16 @@ def check_implemented(run_spec: dict[str, Any], world_size: int | None = None) -
         world_size: the trainer's actual rank count when known; otherwise nodes x gpusPerNode, or 1 on CPU.
     """
     out = check_trainer_implemented(TrainerView.from_spec(run_spec), world_size)
-    if run_spec["weightSync"]["transport"] != "filesystem":
-        out.append(FieldError("spec.weightSync.transport", f"{run_spec['weightSync']['transport']} is not "
-                                                           "implemented yet; set filesystem (safetensors on the "
-                                                           "shared storage, reloaded in place by every server)"))
+    transport = run_spec["weightSync"]["transport"]
+    if transport == "gloo" and run_spec["inference"]["gpusPerReplica"] > 0:
+        out.append(FieldError("spec.weightSync.transport", "gloo is the CPU push transport (its engine receives "
+                                                           "into host memory); with inference GPUs use nccl or "
+                                                           "filesystem"))
+    elif transport not in ("filesystem", "gloo"):
+        out.append(FieldError("spec.weightSync.transport", f"{transport} is not implemented yet; set filesystem "
+                                                           "(safetensors on the shared storage, reloaded in place "
+                                                           "by every server) or, on CPU, gloo (pushed from the "
+                                                           "trainer's memory)"))
     return out
 
 

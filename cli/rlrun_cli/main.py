@@ -123,20 +123,17 @@ def run_render(file: str, namespace: str | None, out: TextIO, err: TextIO,
               "and '-', at most 63); pass the namespace the operator runs in", file=err)
         return EXIT_INVALID
     try:
-        docs = read_documents(file)
+        run = documents.get_single(read_documents(file), file, "rlrun render")
     except documents.SpecFileError as exc:
         print(str(exc), file=err)
         return EXIT_INVALID
-    if len(docs) != 1:
-        print(f"{file}: holds {len(docs)} RLRuns; render takes one per file", file=err)
-        return EXIT_INVALID
-    errors = validation.validate(docs[0])
+    errors = validation.validate(run)
     if errors:
         for error in errors:
             print(f"{file}: {error}", file=err)
         return EXIT_INVALID
     try:
-        rlrun = prepare_for_render(docs[0], namespace)
+        rlrun = prepare_for_render(run, namespace)
     except ValueError as exc:
         print(f"{file}: {exc}", file=err)
         return EXIT_INVALID

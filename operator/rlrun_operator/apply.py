@@ -262,12 +262,6 @@ def plan_replicas(desired: dict[str, Any], live: dict[str, Any], suspended: bool
     return ReplicaPlan(ops, tuple(events))
 
 
-def get_replica_ops(desired: dict[str, Any], live: dict[str, Any], suspended: bool,
-                    sizes: PoolSizes | None = None) -> list[dict[str, Any]]:
-    """The ops of plan_replicas (suspend/resume, and a resize to a changed spec when ``sizes`` is given)."""
-    return plan_replicas(desired, live, suspended, sizes).ops
-
-
 def plan_child(desired: dict[str, Any], live: dict[str, Any] | None, suspended: bool,
                sizes: PoolSizes | None = None) -> Plan:
     """Decide how to converge one child (pure).

@@ -33,26 +33,18 @@ from typing import Any, Awaitable, Callable
 import aiohttp
 import kopf
 
-from rlrun_api import constants
+from rlrun_api import constants, validation
 from rlrun_operator import metrics
 from rlrun_operator.apply import ApplyConflict
 from rlrun_operator.config import OperatorConfig
 from rlrun_operator.kubeapi import ApiError, KubeApi, load_api_client
 from rlrun_operator.memo import OperatorMemo, complete_memo, get_run_state
 from rlrun_operator.observe import read_workloads
-from rlrun_operator.reconcile import (StatusChange, get_invalid, get_rlrun, get_workloads, plan_after_refresh,
+from rlrun_operator.reconcile import (StatusChange, get_rlrun, get_workloads, plan_after_refresh,
                                       plan_status, reconcile_run, refresh_run)
 from rlrun_operator.status import PHASE_FAILED, REASON_INVALID_SPEC
 
 RESOURCE = (constants.GROUP, constants.VERSION, constants.PLURAL)
-
-
-def get_warmup_run() -> dict[str, Any]:
-    """A small valid RLRun, validated once at startup to compile the CEL rules."""
-    return {"apiVersion": constants.API_VERSION, "kind": constants.KIND,
-            "metadata": {"name": "warmup", "namespace": "default"},
-            "spec": {"model": {"name": constants.TINY_MODEL_NAME},
-                     "environment": {"type": "builtin", "name": constants.BUILTIN_ENVIRONMENTS[0]}}}
 
 
 def _invalid_already_reported(rlrun: dict[str, Any], invalid: list[str]) -> bool:
@@ -77,6 +69,8 @@ async def publish_status(memo: OperatorMemo, namespace: str, name: str,
             await memo.api.merge_patch(constants.KIND, namespace, name, {"status": change.patch},
                                        subresource="status")
         metrics.set_run_phase(namespace, name, change.new_phase)
+        metrics.set_run_conditions(namespace, name, change.patch.get("conditions")
+                                   or (fresh.get("status") or {}).get("conditions"))
         for event_type, reason, message in change.events:  # the autoscaler's (reconcile.plan_scaling)
             kopf.event(fresh, type=event_type, reason=reason, message=message)
         if change.old_phase != change.new_phase:
@@ -143,8 +137,9 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
         if memo.api is None:
             memo.api = KubeApi(load_api_client())
         memo.http = aiohttp.ClientSession()
-        # Compile the CRD's CEL rules now (about 1 s, cached) rather than in the first reconcile.
-        await asyncio.to_thread(get_invalid, get_warmup_run())
+        # Compile the CRD's CEL rules and schema validator now (about 1 s, cached: a no-op after main.py's
+        # call) rather than in the first reconcile; an embedder that skips main.py gets them here.
+        await asyncio.to_thread(validation.prepare)
 
     @kopf.on.cleanup(registry=registry)
     async def close(memo: OperatorMemo, **_: Any) -> None:

@@ -9,6 +9,7 @@ kopf's liveness probe at ``http://0.0.0.0:<constants.OPERATOR_HEALTH_PORT>/healt
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -21,6 +22,9 @@ from rlrun_operator import metrics
 from rlrun_operator.config import ConfigError, OperatorConfig
 from rlrun_operator.handlers import get_registry
 from rlrun_operator.memo import OperatorMemo
+
+
+GC_GEN0_THRESHOLD = 20_000  # gc.set_threshold's first value (Python's default: 700)
 
 
 def has_credentials(config: OperatorConfig) -> bool:
@@ -45,6 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     if config.metrics_port:
         start_http_server(config.metrics_port, addr=config.metrics_host, registry=metrics.REGISTRY)
     validation.prepare()  # the CEL parser and schema validator, built once now rather than on the first run
+    # Garbage collection: everything made so far (modules, the CRD, the compiled rules) lives as long as the
+    # process, so it is kept out of the collector's passes; and a collection runs after 20000 net container
+    # allocations instead of 700 (each reconcile parses and builds thousands of short-lived dicts, freed by
+    # reference counting; the collector only finds cycles). Measured in benchmarks/operator_reconcile.py
+    # (benchmarks/README.md): about 15.5 against 21 ms of operator CPU per new run in two of three runs.
+    gc.freeze()
+    gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
     asyncio.run(kopf.operator(
         registry=get_registry(config),
         memo=OperatorMemo(config=config),

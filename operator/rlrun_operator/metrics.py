@@ -1,11 +1,15 @@
 """The operator's own Prometheus metrics (prometheus_client), on a registry of their own.
 
 Served by `rlrun-operator` on constants.OPERATOR_METRICS_PORT. Besides the operator's health (reconciles,
-errors, reconcile duration, runs by phase) it re-exports what it scrapes from each run (progress from the
-orchestrator, queue depth per inference pool from vLLM), so dashboards read only the operator.
+errors, reconcile duration, runs by phase, each run's status conditions) it re-exports what it scrapes from
+each run (progress from the orchestrator, queue depth per inference pool from vLLM) and its autoscaler's
+decisions. Every metric name is in ``rlrun_api.constants`` (OPERATOR_METRIC_*); the chart's dashboard and
+alert rules query them (docs/monitoring.md).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -15,29 +19,34 @@ from rlrun_operator.status import (PHASE_FAILED, PHASE_INITIALIZING, PHASE_PENDI
 
 REGISTRY = CollectorRegistry()
 
-RECONCILES = Counter("rlrun_operator_reconciles", "Reconciles of RLRun children, by trigger "
+RECONCILES = Counter(constants.OPERATOR_METRIC_RECONCILES, "Reconciles of RLRun children, by trigger "
                      "(create, update, resume, finish, drift).", ["trigger"], registry=REGISTRY)
-STATUS_REFRESHES = Counter("rlrun_operator_status_refreshes", "Status refreshes of a run by the operator's timer "
-                           "(written or not).", ["namespace", "name"], registry=REGISTRY)
-RECONCILE_ERRORS = Counter("rlrun_operator_reconcile_errors", "Reconciles or status refreshes that raised.",
-                           ["stage"], registry=REGISTRY)
-RECONCILE_SECONDS = Histogram("rlrun_operator_reconcile_duration_seconds",
+STATUS_REFRESHES = Counter(constants.OPERATOR_METRIC_STATUS_REFRESHES,
+                           "Status refreshes of a run by the operator's timer (written or not).",
+                           ["namespace", "name"], registry=REGISTRY)
+RECONCILE_ERRORS = Counter(constants.OPERATOR_METRIC_RECONCILE_ERRORS,
+                           "Reconciles or status refreshes that raised.", ["stage"], registry=REGISTRY)
+RECONCILE_SECONDS = Histogram(constants.OPERATOR_METRIC_RECONCILE_SECONDS,
                               "Wall time of one reconcile of a run's children, seconds.", registry=REGISTRY,
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-CHILD_WRITES = Counter("rlrun_operator_child_writes", "Create/patch/replace calls on children, by action.",
-                       ["action"], registry=REGISTRY)
-RUNS = Gauge("rlrun_operator_runs", "RLRuns served, by status.phase.", ["phase"], registry=REGISTRY)
-RUN_STEP = Gauge("rlrun_operator_run_step", "Last completed trainer step of a run (from its orchestrator).",
+CHILD_WRITES = Counter(constants.OPERATOR_METRIC_CHILD_WRITES,
+                       "Create/patch/replace calls on children, by action.", ["action"], registry=REGISTRY)
+RUNS = Gauge(constants.OPERATOR_METRIC_RUNS, "RLRuns served, by status.phase.", ["phase"], registry=REGISTRY)
+RUN_STEP = Gauge(constants.OPERATOR_METRIC_RUN_STEP,
+                 "Last completed trainer step of a run (from its orchestrator).",
                  ["namespace", "name"], registry=REGISTRY)
-RUN_POLICY_VERSION = Gauge("rlrun_operator_run_policy_version",
+RUN_POLICY_VERSION = Gauge(constants.OPERATOR_METRIC_RUN_POLICY_VERSION,
                            "Policy version loaded by every inference server of a run.",
                            ["namespace", "name"], registry=REGISTRY)
-RUN_LAST_REWARD = Gauge("rlrun_operator_run_last_reward", "Mean reward of a run's last trainer batch.",
+RUN_LAST_REWARD = Gauge(constants.OPERATOR_METRIC_RUN_LAST_REWARD, "Mean reward of a run's last trainer batch.",
                         ["namespace", "name"], registry=REGISTRY)
-RUN_WEIGHT_UPDATE = Gauge("rlrun_operator_run_weight_update_in_flight",
+RUN_WEIGHT_UPDATE = Gauge(constants.OPERATOR_METRIC_RUN_WEIGHT_UPDATE,
                           "1 while a run's inference servers are paused for a weight update.",
                           ["namespace", "name"], registry=REGISTRY)
-QUEUE_DEPTH = Gauge("rlrun_operator_queue_depth", "Sum of vllm:num_requests_waiting over a pool's pods.",
+RUN_CONDITION = Gauge(constants.OPERATOR_METRIC_RUN_CONDITION,
+                      "A run's status condition (Ready, Degraded, Progressing, ...): 1 when True, else 0.",
+                      ["namespace", "name", "type"], registry=REGISTRY)
+QUEUE_DEPTH = Gauge(constants.OPERATOR_METRIC_QUEUE_DEPTH, "Sum of vllm:num_requests_waiting over a pool's pods.",
                     ["namespace", "name", "role"], registry=REGISTRY)
 
 AUTOSCALER_DESIRED = Gauge(constants.OPERATOR_METRIC_DESIRED_REPLICAS,
@@ -54,12 +63,25 @@ PHASES = (PHASE_PENDING, PHASE_INITIALIZING, PHASE_RUNNING, PHASE_SUSPENDED, PHA
 _PHASES: dict[tuple[str, str], str] = {}
 _POOLS: dict[tuple[str, str], set[str]] = {}
 _DECISIONS: dict[tuple[str, str], set[tuple[str, str]]] = {}
+_CONDITIONS: dict[tuple[str, str], set[str]] = {}
 
 
 def set_run_phase(namespace: str, name: str, phase: str) -> None:
     """Record a run's phase; the rlrun_operator_runs gauge counts runs per phase."""
     _PHASES[(namespace, name)] = phase
     _refresh_phases()
+
+
+def set_run_conditions(namespace: str, name: str, conditions: list[dict[str, Any]] | None) -> None:
+    """Record a run's status.conditions (API-convention dicts with ``type`` and ``status``): the
+    rlrun_operator_run_condition gauge is 1 for a condition whose status is "True", else 0. None or an empty
+    list leaves the recorded conditions as they are (a status write that did not touch them)."""
+    for cond in conditions or []:
+        ctype = cond.get("type")
+        if not isinstance(ctype, str):
+            continue
+        RUN_CONDITION.labels(namespace, name, ctype).set(1.0 if cond.get("status") == "True" else 0.0)
+        _CONDITIONS.setdefault((namespace, name), set()).add(ctype)
 
 
 def _refresh_phases() -> None:
@@ -98,6 +120,11 @@ def forget_run(namespace: str, name: str) -> None:
     for gauge in (RUN_STEP, RUN_POLICY_VERSION, RUN_LAST_REWARD, RUN_WEIGHT_UPDATE, STATUS_REFRESHES):
         try:
             gauge.remove(namespace, name)
+        except KeyError:
+            pass
+    for ctype in _CONDITIONS.pop((namespace, name), set()):
+        try:
+            RUN_CONDITION.remove(namespace, name, ctype)
         except KeyError:
             pass
     for pool in _POOLS.pop((namespace, name), set()):

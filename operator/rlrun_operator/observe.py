@@ -134,16 +134,10 @@ class Scrape:
     orchestrator_url: str | None = None
 
 
-async def read_progress(session: aiohttp.ClientSession, pods: list[dict[str, Any]],
-                        ) -> tuple[Progress | None, dict[str, float]]:
-    """Scrape the orchestrator (progress, None when unreachable or unparsable) and every running inference
-    pod (queue depth per pool: sum of vllm:num_requests_waiting; pools with no readable pod are absent)."""
-    scrape = await read_scrape(session, pods)
-    return scrape.progress, scrape.depth
-
-
 async def read_scrape(session: aiohttp.ClientSession, pods: list[dict[str, Any]]) -> Scrape:
-    """What read_progress reads, with the texts kept (one GET per running pod with a podIP)."""
+    """Scrape the orchestrator (progress, None when unreachable or unparsable) and every running inference
+    pod (queue depth per pool: sum of vllm:num_requests_waiting; pools with no readable pod are absent), with
+    the texts kept (one GET per running pod with a podIP)."""
     orchestrator, pools = get_pod_targets(pods)
     urls = ([orchestrator] if orchestrator else []) + [u for us in pools.values() for u in us]
     texts = dict(zip(urls, await asyncio.gather(*(read_metrics_text(session, u) for u in urls))))

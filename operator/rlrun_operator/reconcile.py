@@ -5,7 +5,6 @@ children and metrics -> status). Called by the kopf handlers in handlers.py; no 
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import datetime
 import time
@@ -19,7 +18,7 @@ from rlrun_operator import apply, autoscale, metrics, observe, status
 from rlrun_operator.kubeapi import ApiError, KubeApi
 from rlrun_operator.render import RenderError, render
 from rlrun_api.sizing import SizingError
-from rlrun_api.spec import apply_defaults
+from rlrun_api.spec import apply_defaults, copy_json
 from rlrun_api.validation import validate
 from rlrun_api.views import REPLICA_SEEDS, AutoscalingView
 
@@ -83,7 +82,7 @@ def get_defaulted(rlrun: dict[str, Any]) -> dict[str, Any]:
         if len(_DEFAULTED_SPECS) >= _DEFAULTED_SPECS_MAX:
             _DEFAULTED_SPECS.clear()
         spec = _DEFAULTED_SPECS[key] = apply_defaults({"spec": rlrun.get("spec") or {}})["spec"]
-    return {**rlrun, "spec": copy.deepcopy(spec)}
+    return {**rlrun, "spec": copy_json(spec)}
 
 
 def get_without_stored_default(rlrun: dict[str, Any]) -> dict[str, Any]:

@@ -17,8 +17,8 @@ Degenerate groups never produce huge or NaN advantages:
   sqrt(n - 1)`` for a group of ``n`` finite rewards; without it ``|advantage| <= max - min``.
 
 Groups whose advantages are all zero carry no learning signal (their policy-gradient term is zero) but
-would still count in the loss normaliser; :func:`zero_advantage_groups` tells them apart so the orchestrator
-can filter them out of a batch.
+would still count in the loss normaliser: :func:`rlrun_runtime.rollouts.assemble_batch` leaves a group out of
+a batch when every advantage of its trainable members is exactly 0.0.
 """
 
 from __future__ import annotations
@@ -89,23 +89,3 @@ def nonfinite_reward_indices(rewards: Sequence[float]) -> list[int]:
     """
     return [i for i, r in enumerate(rewards) if r is None or not math.isfinite(r)]
 
-
-def zero_advantage_groups(advantages: Sequence[float], group_size: int) -> list[bool]:
-    """For each group, True when every advantage in it is exactly 0.0 (no learning signal).
-
-    Args:
-        advantages: output of :func:`group_advantages` (``num_groups * group_size`` floats).
-        group_size: completions per prompt.
-
-    Returns:
-        ``num_groups`` booleans; the orchestrator drops the groups marked True from a batch so that they do
-        not dilute the loss normaliser (the number of loss tokens of the step).
-
-    Raises:
-        ValueError: as :func:`group_advantages`.
-    """
-    _check_group_size(len(advantages), group_size)
-    return [
-        all(a == 0.0 for a in advantages[start:start + group_size])
-        for start in range(0, len(advantages), group_size)
-    ]

@@ -33,8 +33,7 @@ from rlrun_runtime.storage import RunStorage
 from rlrun_runtime.vllm_worker import EXTENSION_QUALNAME
 from rlrun_runtime.weights import DEFAULT_TRANSPORT, get_transport
 
-ROLES = ("prefill", "decode", "both")
-KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+KV_ROLES = {constants.INFERENCE_ROLE_PREFILL: "kv_producer", constants.INFERENCE_ROLE_DECODE: "kv_consumer"}
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 
 
@@ -58,9 +57,9 @@ def get_vllm_args(spec: Mapping[str, Any], role: str, model: str, port: int,
     Raises:
         RoleConfigError: ``role`` is not one of prefill, decode, both.
     """
-    if role not in ROLES:
+    if role not in constants.INFERENCE_ROLES:
         raise RoleConfigError(
-            f"{constants.ENV_INFERENCE_ROLE}={role!r} is not a valid inference role; set it to one of {', '.join(ROLES)}"
+            f"{constants.ENV_INFERENCE_ROLE}={role!r} is not a valid inference role; set it to one of {', '.join(constants.INFERENCE_ROLES)}"
         )
     view = InferenceView.from_spec(spec)
     on_cpu = view.gpus_per_replica == 0
@@ -92,6 +91,9 @@ def get_vllm_args(spec: Mapping[str, Any], role: str, model: str, port: int,
     if on_cpu:
         # CUDA graphs do not exist on CPU; eager start-up is ~2x faster (field notes).
         args.append("--enforce-eager")
+    # SIGTERM drains instead of aborting: running requests finish and a prefill server keeps its unread KV
+    # until decode has read it or the lease ends (constants.INFERENCE_DRAIN_SECONDS).
+    args += ["--shutdown-timeout", str(constants.INFERENCE_DRAIN_SECONDS)]
     if role in KV_ROLES:
         kv_config: dict[str, Any] = {
             "kv_connector": view.kv_connector, "kv_role": KV_ROLES[role],
@@ -102,14 +104,24 @@ def get_vllm_args(spec: Mapping[str, Any], role: str, model: str, port: int,
         if on_cpu:
             kv_config["kv_buffer_device"] = "cpu"
         args += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))]
+    if view.weight_transport in constants.PUSH_TRANSPORTS:
+        # The push transports: vLLM builds its weight-transfer engine (gloo: rlrun's, registered by the
+        # rlrun_weight_transfer vLLM plugin, runtime/rlrun_runtime/weights/gloo_engine.py; nccl: vLLM's own).
+        backend = constants.PUSH_TRANSPORTS[view.weight_transport]
+        args += ["--weight-transfer-config", json.dumps({"backend": backend}, separators=(",", ":"))]
     args += list(view.vllm_args)
     return args
 
 
-def get_vllm_env(base_env: Mapping[str, str]) -> dict[str, str]:
-    """The vLLM child's environment: ``base_env`` plus ``VLLM_SERVER_DEV_MODE=1`` (the RL endpoints)."""
+def get_vllm_env(base_env: Mapping[str, str], on_cpu: bool = False) -> dict[str, str]:
+    """The vLLM child's environment: ``base_env`` plus ``VLLM_SERVER_DEV_MODE=1`` (the RL endpoints), and for
+    rlrun's vLLM plugin (:mod:`rlrun_runtime.vllm_plugin`) ``RLRUN_VLLM_SHM_RECHECK_MS`` and, ``on_cpu``,
+    ``RLRUN_NIXL_PROGRESS_DELAY_US``; a value already in ``base_env`` wins."""
     env = dict(base_env)
     env[constants.ENV_VLLM_DEV_MODE] = "1"
+    env.setdefault(constants.ENV_VLLM_SHM_RECHECK_MS, str(constants.VLLM_SHM_RECHECK_MS))
+    if on_cpu:
+        env.setdefault(constants.ENV_NIXL_PROGRESS_DELAY_US, str(constants.CPU_NIXL_PROGRESS_DELAY_US))
     return env
 
 
@@ -141,7 +153,7 @@ def main(argv: list[str]) -> int:
     env = os.environ
     spec = load_spec(ns.config)
     view = InferenceView.from_spec(spec)
-    role = env.get(constants.ENV_INFERENCE_ROLE, "both").strip() or "both"
+    role = env.get(constants.ENV_INFERENCE_ROLE, "").strip() or constants.INFERENCE_ROLE_BOTH
     port = env_port(env, constants.ENV_INFERENCE_PORT, constants.INFERENCE_PORT)
     storage = RunStorage(env_required(env, constants.ENV_STORAGE_DIR))
     served = get_served_weights(storage, view.weight_transport)  # before the model build: bad input fails fast
@@ -150,4 +162,5 @@ def main(argv: list[str]) -> int:
     base_model = str(ensure_model(view.model_name, storage))
     model, tokenizer = (str(served[1]), base_model) if served else (base_model, None)
     args = get_vllm_args(spec, role, model, port, tokenizer=tokenizer, host=env_bind_host(env))
-    return exec_server("inference", [sys.executable, "-m", VLLM_MODULE, *args], get_vllm_env(env), ns.dry_run)
+    return exec_server("inference", [sys.executable, "-m", VLLM_MODULE, *args],
+                       get_vllm_env(env, on_cpu=view.gpus_per_replica == 0), ns.dry_run)

@@ -52,7 +52,7 @@ from rlrun_runtime.rollouts import (BAD_LOGPROBS, BAD_TOKEN_IDS, Group, assemble
                                    get_completion_request, get_empty_batch_reason, parse_completion_choice,
                                    plan_group_count)
 from rlrun_runtime.staleness import may_generate
-from rlrun_runtime.storage import RunStorage, append_jsonl, atomic_write_json, list_steps, step_name
+from rlrun_runtime.storage import FileTail, RunStorage, append_jsonl, atomic_write_json, list_steps, step_name
 from rlrun_runtime.vllm_admin import HEALTH_PROBE_TIMEOUT_S, EngineError, VLLMAdmin, parse_version, resolve_engines
 from rlrun_runtime.weights import get_transport
 from rlrun_runtime.weights.update import update_engines
@@ -445,28 +445,13 @@ class Orchestrator:
         present when the orchestrator started are not counted, but the newest tells which batch the trainer
         needs next.
         """
-        path = self.storage.metrics_file
-        offset, inode, counted_through, first = 0, None, 0, True
+        tail = FileTail(self.storage.metrics_file)
+        counted_through, first = 0, True
         while True:
-            try:
-                info = os.stat(path)
-            except OSError:
-                info = None
-            if info is not None:
-                if info.st_ino != inode or info.st_size < offset:
-                    offset, inode = 0, info.st_ino
-                records: list[tuple[int, float]] = []
-                if info.st_size > offset:
-                    try:
-                        with open(path, "rb") as handle:
-                            handle.seek(offset)
-                            records, used = parse_trainer_waits(handle.read(info.st_size - offset))
-                    except OSError:  # replaced between stat and open: read again at the next poll
-                        used = 0
-                    offset += used
-                    if records:
-                        self._note_trainer_steps(records, counted_through, count=not first)
-                        counted_through = max(counted_through, max(step for step, _ in records))
+            records, _ = parse_trainer_waits(tail.read()[0])
+            if records:
+                self._note_trainer_steps(records, counted_through, count=not first)
+                counted_through = max(counted_through, max(step for step, _ in records))
             first = False
             await asyncio.sleep(poll_s)
 

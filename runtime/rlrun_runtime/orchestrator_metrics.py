@@ -172,12 +172,12 @@ class OrchestratorMetrics:
         self.engines_out_of_service = Gauge(constants.METRIC_ENGINES_OUT_OF_SERVICE,
                                             "Inference engines left paused by a failed weight update", registry=r)
         self.max_steps.set(max_steps)
-        self.batch_step = Gauge("rlrun_orchestrator_batch_step", "Last batch (trainer step) written", registry=r)
-        self.rollouts = Counter("rlrun_orchestrator_rollouts", "Completions received and scored", registry=r)
-        self.tokens = Counter("rlrun_orchestrator_generated_tokens", "Completion tokens generated", registry=r)
-        self.dropped_groups = Counter("rlrun_orchestrator_dropped_groups", "Groups left out of batches",
+        self.batch_step = Gauge(constants.METRIC_BATCH_STEP, "Last batch (trainer step) written", registry=r)
+        self.rollouts = Counter(constants.METRIC_ROLLOUTS, "Completions received and scored", registry=r)
+        self.tokens = Counter(constants.METRIC_GENERATED_TOKENS, "Completion tokens generated", registry=r)
+        self.dropped_groups = Counter(constants.METRIC_DROPPED_GROUPS, "Groups left out of batches",
                                       ["reason"], registry=r)
-        self.dropped_samples = Counter("rlrun_orchestrator_dropped_samples", "Completions left out of batches",
+        self.dropped_samples = Counter(constants.METRIC_DROPPED_SAMPLES, "Completions left out of batches",
                                        ["reason"], registry=r)
         self.truncated_rollouts = Counter(constants.METRIC_TRUNCATED_ROLLOUTS,
                                           "Completions cut at max_tokens (finish_reason length)", registry=r)
@@ -197,9 +197,9 @@ class OrchestratorMetrics:
                                         "Seconds generation was held by the async gate", self.gate_wait, now))
         r.register(WaitCounterCollector(constants.METRIC_DATA_WAIT_SECONDS,
                                         "Seconds the trainer waited for its next batch", self.data_wait, now))
-        self.weight_update_failures = Counter("rlrun_orchestrator_weight_update_failures",
+        self.weight_update_failures = Counter(constants.METRIC_WEIGHT_UPDATE_FAILURES,
                                               "Weight-update rounds that failed on some engine", registry=r)
-        self.weight_update_seconds = Histogram("rlrun_orchestrator_weight_update_seconds",
+        self.weight_update_seconds = Histogram(constants.METRIC_WEIGHT_UPDATE_SECONDS,
                                                "Per-engine weight update latency, pause to resume",
                                                buckets=WEIGHT_UPDATE_BUCKETS_S, registry=r)
 

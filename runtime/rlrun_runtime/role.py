@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from rlrun_api import constants
-from rlrun_api.documents import SpecFileError, parse_documents
+from rlrun_api.documents import SpecFileError, get_single, parse_documents
 from rlrun_api.spec import apply_defaults
 
 EXIT_BAD_INPUT = 2  # the exit code of every role on bad input (docs/runtime-contract.md)
@@ -64,12 +64,9 @@ def load_rlrun(path: str | os.PathLike[str]) -> dict[str, Any]:
     except OSError as exc:
         raise RoleConfigError(f"{where}: cannot read it ({exc.strerror or exc}); pass the RLRun YAML") from None
     try:
-        docs = parse_documents(text, where)
+        rlrun = get_single(parse_documents(text, where), where, "a role")
     except SpecFileError as err:
         raise RoleConfigError(str(err)) from None
-    if len(docs) != 1:
-        raise RoleConfigError(f"{where}: holds {len(docs)} RLRun documents; a role reads exactly one")
-    rlrun = docs[0]
     if not isinstance(rlrun.get("spec"), dict):
         raise RoleConfigError(f"{where}: no `spec` mapping; pass an RLRun YAML (kind: {constants.KIND}) with a spec")
     return apply_defaults(rlrun)

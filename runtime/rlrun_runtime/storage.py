@@ -169,3 +169,35 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         handle.write(json.dumps(record, separators=(",", ":")) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
+
+
+class FileTail:
+    """Reads the complete lines appended to a file since the last read, e.g. the trainer's ``metrics.jsonl``.
+
+    A file replaced in between (new device or inode: a resumed trainer rewrites ``metrics.jsonl`` without the
+    steps it trains again) or cut shorter is read again from its start. A last line without its newline
+    waits for the next read (its writer may be in the middle of it).
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._offset = 0
+        self._identity: tuple[int, int] | None = None
+
+    def read(self) -> tuple[bytes, bool]:
+        """``(lines, restarted)``: the new complete lines (``b""`` when none, or when the file cannot be read
+        now), and whether reading restarted at the file's start since the last call."""
+        try:
+            with open(self.path, "rb") as handle:
+                stat = os.fstat(handle.fileno())
+                identity = (stat.st_dev, stat.st_ino)
+                restarted = self._identity is not None and (identity != self._identity or stat.st_size < self._offset)
+                if identity != self._identity or stat.st_size < self._offset:
+                    self._identity, self._offset = identity, 0
+                handle.seek(self._offset)
+                data = handle.read(max(0, stat.st_size - self._offset))
+        except OSError:
+            return b"", False
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        return data[:end], restarted

@@ -467,6 +467,9 @@ class Trainer:
             if step % self.cfg.checkpoint_interval == 0 or step == self.cfg.max_steps:
                 ckpt.save_checkpoint(self.storage, step, self.model, self.optimizer, self.scheduler,
                                      self.cfg.checkpoint_keep)
+        close = getattr(self.transport, "close", None)  # a push transport: let pushes under way finish
+        if close is not None:
+            close()
         return 0
 
     def _print(self, record: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import httpx
 
-from rlrun_runtime.vllm_worker import RELOAD_METHOD
+from rlrun_api import constants
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class VLLMAdmin:
         """``GET /is_paused``."""
         return bool((await self._call("GET", "/is_paused")).json()["is_paused"])
 
-    async def reload_weights(self, weights_path: str, method: str = RELOAD_METHOD) -> None:
+    async def reload_weights(self, weights_path: str, method: str = constants.VLLM_RELOAD_METHOD) -> None:
         """Reload every worker's weights in place from an HF safetensors directory (a path the engine sees).
 
         ``method`` is the worker method run through ``POST /collective_rpc``: rlrun's
@@ -141,6 +141,35 @@ class VLLMAdmin:
         """
         await self._call("POST", "/collective_rpc", timeout=RELOAD_TIMEOUT_S, retry_on_timeout=False,
                          json={"method": method, "kwargs": {"weights_path": str(weights_path)}})
+
+    # --- vLLM's weight-transfer protocol (the push transports, rlrun_runtime.weights.push) -------------------
+    async def worker_count(self) -> int:
+        """How many workers the engine runs (``POST /collective_rpc check_health`` answers once per worker)."""
+        response = await self._call("POST", "/collective_rpc", json={"method": "check_health"})
+        return len(response.json().get("results") or [None])
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any], timeout_s: float) -> None:
+        """``POST /init_weight_transfer_engine``: the workers join the trainer's group (blocks until they have;
+        never retried: a second join would wait for a trainer that already left)."""
+        await self._call("POST", "/init_weight_transfer_engine", json={"init_info": init_info}, timeout=timeout_s,
+                         retries=0)
+
+    async def start_weight_update(self) -> None:
+        """``POST /start_weight_update`` (vLLM refuses ``update_weights`` before it)."""
+        await self._call("POST", "/start_weight_update", retries=0)
+
+    async def update_weights(self, update_info: dict[str, Any], timeout_s: float) -> None:
+        """``POST /update_weights``: the workers receive every bucket the trainer sends (blocks until done)."""
+        await self._call("POST", "/update_weights", json={"update_info": update_info}, timeout=timeout_s,
+                         retries=0)
+
+    async def finish_weight_update(self) -> None:
+        """``POST /finish_weight_update`` (the version is named by the update sequence, not here)."""
+        await self._call("POST", "/finish_weight_update", retries=0)
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        """``POST /shutdown_weight_transfer_engine``: drop the workers' group."""
+        await self._call("POST", "/shutdown_weight_transfer_engine", retries=0)
 
     async def update_weight_version(self, version: int | str) -> None:
         """Set the version ``GET /weight_info`` reports (vLLM stores it as a string)."""

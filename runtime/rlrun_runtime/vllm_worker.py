@@ -21,7 +21,7 @@ back, none stays on meta), restores the model config's path, and raises: the orc
 previous version (``rlrun_runtime.weights.update``).
 
 vLLM imports this class inside its worker processes; the orchestrator calls the method by name
-(:data:`RELOAD_METHOD`) through ``POST /collective_rpc``.
+(:data:`rlrun_api.constants.VLLM_RELOAD_METHOD`) through ``POST /collective_rpc``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-RELOAD_METHOD = "rlrun_reload_weights"
 EXTENSION_QUALNAME = "rlrun_runtime.vllm_worker.RLRunWorkerExtension"
 
 

@@ -349,22 +349,22 @@ def start_engine(name: str, timeline: list[tuple[str, str]], release: threading.
     return handler, f"http://{LOOPBACK}:{server.server_address[1]}", server
 
 
-@pytest.mark.parametrize("failing", [None, "prefill-load", "decode-pause"])
-def test_pd_update_pauses_decode_first_and_resumes_prefill_first(tmp_path, failing):
-    """Decode's pause (slow: it waits for pending KV loads, which need prefill running) returns before prefill
-    is paused; prefill resumes before decode. A failing engine does not hold the other one up."""
+@pytest.mark.parametrize("failing", [None, "decode-load", "prefill-pause"])
+def test_pd_update_pauses_prefill_first_and_resumes_decode_first(tmp_path, failing):
+    """Prefill's pause (slow: it waits until decode has read the KV it holds) returns before decode is paused;
+    decode resumes before prefill. A failing engine does not hold the other one up."""
     storage = RunStorage(tmp_path)
     write_version(storage, 3)
     write_version(storage, 4)
     timeline: list[tuple[str, str]] = []
     release = threading.Event()
-    prefill, prefill_url, prefill_server = start_engine("prefill", timeline, release)
-    decode, decode_url, decode_server = start_engine("decode", timeline, release, slow={"/pause": 0.5})
-    if failing == "prefill-load":  # load and restore fail: prefill is left paused, decode must still resume
-        prefill.failures.update({f"/collective_rpc:{storage.weights(4)}": "500",
-                                 f"/collective_rpc:{storage.weights(3)}": "500"})
-    elif failing == "decode-pause":
-        decode.failures.update({"/pause": "500"})
+    prefill, prefill_url, prefill_server = start_engine("prefill", timeline, release, slow={"/pause": 0.5})
+    decode, decode_url, decode_server = start_engine("decode", timeline, release)
+    if failing == "decode-load":  # load and restore fail: decode is left paused, prefill must still resume
+        decode.failures.update({f"/collective_rpc:{storage.weights(4)}": "500",
+                                f"/collective_rpc:{storage.weights(3)}": "500"})
+    elif failing == "prefill-pause":
+        prefill.failures.update({"/pause": "500"})
     try:
         run = update_engines([decode_url, prefill_url], 4, FilesystemTransport(storage), previous=3,
                              prefill=[prefill_url], timeout_s=5.0, retries=0)
@@ -380,11 +380,11 @@ def test_pd_update_pauses_decode_first_and_resumes_prefill_first(tmp_path, faili
             server.shutdown()
             server.server_close()
     order = [entry for entry in timeline if entry[1] in ("/pause", "/resume")]
-    # (a failed decode pause too is over before prefill pauses)
-    assert order.index(("decode", "/pause")) < order.index(("prefill", "/pause"))
-    if failing == "prefill-load":
-        assert ("prefill", "/resume") not in order and prefill.paused is True
-        assert decode.paused is False
+    # (a failed prefill pause too is over before decode pauses)
+    assert order.index(("prefill", "/pause")) < order.index(("decode", "/pause"))
+    if failing == "decode-load":
+        assert ("decode", "/resume") not in order and decode.paused is True
+        assert prefill.paused is False
     else:
-        assert order.index(("prefill", "/resume")) < order.index(("decode", "/resume"))
+        assert order.index(("decode", "/resume")) < order.index(("prefill", "/resume"))
         assert prefill.paused is False and decode.paused is False

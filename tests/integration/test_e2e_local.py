@@ -77,9 +77,13 @@ def test_embedded_default_learns(seed: int, tmp_path: Path) -> None:
     # no update stalled (the p50/p99 targets are the benchmark's: a loaded machine must not flip this test)
     assert all(max(u["latency_ms"].values()) < 60_000 for u in updates)
 
-    assert (out_dir / "final" / "model.safetensors").is_file()
+    assert f"step {max_steps}/{max_steps}" in proc.stdout and "succeeded" in proc.stdout
+    assert (out_dir / "final" / "model.safetensors").is_file() and (out_dir / "final" / "config.json").is_file()
     assert (out_dir / "plot.png").read_bytes()[:4] == b"\x89PNG"
     assert read_jsonl(out_dir / "rollout-samples.jsonl"), "no rollout sample written"
+    assert (out_dir / "config" / "rlrun.yaml").is_file()
+    assert sorted(p.name for p in (out_dir / "logs").iterdir()) == sorted(  # one log per process of the plan
+        f"tiny-reverse-{n}.log" for n in ("trainer-0", "inference-0", "router-0", "orchestrator"))
     assert processes_of_run(out_dir) == {}
 
 

@@ -13,10 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlrun_api import constants as c
 from rlrun_runtime.local.plan import ProcessSpec
 from rlrun_runtime.local.processes import Supervisor, read_process_table
-from rlrun_runtime.local.progress import parse_metrics_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 RLRUN = [str(Path(sys.executable).parent / "rlrun")]
@@ -159,47 +157,6 @@ def test_cli_bad_input_has_no_traceback(tiny_example, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "spec.environment.name" in proc.stderr and "Traceback" not in proc.stderr
-
-
-def _processes_of_run(storage_dir: Path) -> list[int]:
-    """Live processes whose environment has RLRUN_STORAGE_DIR=storage_dir (vLLM's engine core included)."""
-    needle = f"{c.ENV_STORAGE_DIR}={storage_dir}".encode() + b"\0"
-    found = []
-    for pid, info in read_process_table().items():
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes() + b"\0"
-        except OSError:
-            continue
-        if needle in environ and info.state != "Z":
-            found.append(pid)
-    return found
-
-
-@pytest.mark.vllm
-@pytest.mark.router
-@pytest.mark.e2e
-@pytest.mark.timeout(480)
-def test_rlrun_local_tiny_run_end_to_end(tiny_example, tmp_path):
-    """The real thing, shortened to 2 steps: vLLM on CPU, router, orchestrator, torchrun trainer."""
-    tiny_example["spec"]["algorithm"]["maxSteps"] = 2
-    path = _write(tmp_path, tiny_example)
-    out_dir = tmp_path / "out"
-    started = time.monotonic()
-    proc = subprocess.run(RLRUN + ["local", str(path), "--output-dir", str(out_dir)],
-                          capture_output=True, text=True, timeout=450)
-    elapsed = time.monotonic() - started
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "step 2/2" in proc.stdout and "succeeded" in proc.stdout
-    rows = parse_metrics_lines((out_dir / "metrics.jsonl").read_text())
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
-    assert (out_dir / "final" / "config.json").is_file() and (out_dir / "final" / "model.safetensors").is_file()
-    assert (out_dir / "plot.png").read_bytes()[:4] == b"\x89PNG"
-    assert sorted(p.name for p in (out_dir / "logs").iterdir()) == sorted(
-        f"tiny-reverse-{n}.log" for n in ("trainer-0", "inference-0", "router-0", "orchestrator"))
-    assert (out_dir / "config" / "rlrun.yaml").is_file()
-    assert _processes_of_run(out_dir) == []
-    print(f"rlrun local, 2 steps: {elapsed:.0f} s")
 
 
 @pytest.mark.timeout(60)

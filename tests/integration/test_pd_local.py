@@ -24,9 +24,9 @@ from rlrun_api.prometheus import get_samples
 from rlrun_runtime.local import INFERENCE_METRICS_DIR
 
 # As small as the assertions allow: every step still goes through prefill -> KV transfer -> decode, and
-# maxAsyncLevel 1 (the example's) still overlaps generation with training and weight updates. Measured
-# 322-348 s on the shared 2-core machine (benchmarks/README.md): the two servers' start-up (2.5-3 min) and
-# a slow first batch (~90 s) dominate, whatever the batch size; the timeouts leave room for a loaded machine.
+# maxAsyncLevel 1 (the example's) still overlaps generation with training and weight updates. Measured 146 s
+# on the shared 2-core machine once NIXL's progress thread stopped spinning (benchmarks/README.md; 322-565 s
+# before); the timeouts leave room for a loaded machine.
 MAX_STEPS = 3
 BATCH_SIZE = 16  # 2 prompts x 8 rollouts
 NIXL_TRANSFERS = f"{c.VLLM_METRIC_NIXL_TRANSFER_SECONDS}_count"

@@ -27,8 +27,9 @@ GREEDY_TOKENS = 8
 def engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("admin")
     config = write_config(root / "run.yaml", tiny_rlrun())
-    with inference_server(config, root / "storage", root / "vllm.log") as url:
-        yield url, root / "storage"
+    started: list = []
+    with inference_server(config, root / "storage", root / "vllm.log", started) as url:
+        yield url, root / "storage", started[0]
 
 
 def greedy(url: str, prompt_ids: list[int], version: int) -> list[int]:
@@ -61,7 +62,7 @@ def make_new_weights(storage, out, seed: int):
 @pytest.mark.timeout(600)
 def test_weight_update_changes_greedy_output_and_version(engine):
     async def body():
-        url, storage = engine
+        url, storage, _ = engine
         port = url.rsplit(":", 1)[1]
         new_dir = storage / "weights" / "step-000001"
         prompt_ids, expected = make_new_weights(storage, new_dir, seed=1)
@@ -82,7 +83,7 @@ def test_weight_update_changes_greedy_output_and_version(engine):
 @pytest.mark.timeout(600)
 def test_requests_sent_during_a_pause_wait_and_finish_after_resume(engine):
     async def body():
-        url, storage = engine
+        url, storage, _ = engine
         weights = storage / "weights" / "step-000002"
         prompt_ids, _ = make_new_weights(storage, weights, seed=2)
         request = {"model": constants.SERVED_MODEL_NAME, "prompt": prompt_ids, "max_tokens": 100,
@@ -113,7 +114,7 @@ def test_requests_sent_during_a_pause_wait_and_finish_after_resume(engine):
 def test_pause_resume_latency_for_the_tiny_model(engine):
     """Measured: pause(keep) -> reload -> version -> reset -> resume, 5 updates of the tiny model."""
     async def body():
-        url, storage = engine
+        url, storage, _ = engine
         run_storage = RunStorage(storage)
         transport = FilesystemTransport(run_storage)
         samples = []
@@ -171,7 +172,7 @@ def test_broken_weights_are_refused_or_restored_and_the_engine_keeps_serving_the
     version is restored before resume. Every /v1/completions afterwards answers with the previous weights'
     greedy output (equal to transformers' on them)."""
     async def body():
-        url, storage = engine
+        url, storage, _ = engine
         run_storage = RunStorage(storage)
         good, truncated, empty = 20, 21, 22
         prompt_ids, expected = make_new_weights(storage, storage / "weights" / step_dir(good), seed=3)
@@ -281,7 +282,7 @@ def test_keep_pause_without_clear_cache_preempts_nothing_and_measures_both(engin
     """vLLM 0.32 honours clear_cache (default true) for keep: every running request is preempted and
     recomputed after resume. rlrun sends clear_cache=false; figures of both ways are printed."""
     async def body():
-        url, storage = engine
+        url, storage, _ = engine
         run_storage = RunStorage(storage)
         version = 30
         prompt_ids, _ = make_new_weights(storage, run_storage.weights(version), seed=4)
@@ -313,3 +314,58 @@ def test_keep_pause_without_clear_cache_preempts_nothing_and_measures_both(engin
         assert all(r["preemptions"] == 0 for r in results["baseline"])
 
     asyncio.run(body())
+
+
+DRAIN_REQUESTS = 64  # x n=4: 256 sequences of 123 tokens, seconds of work even on a quiet machine
+DRAIN_CHOICES = 4
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_sigterm_drains_running_requests_instead_of_aborting_them(engine):
+    """Last in the module (it stops the module's server). A stopping server (SIGTERM, as Kubernetes sends on
+    scale-down) finishes what it is generating: every request running when the signal lands ends with its
+    full length, and the server exits well inside the pod's grace period (INFERENCE_DRAIN_SECONDS)."""
+    import os
+    import signal
+
+    url, storage, proc = engine
+    log = storage.parent / "vllm.log"
+    prompt_ids = [5, 6, 7, 8]
+    max_tokens = 128 - len(prompt_ids) - 1
+    body = {"model": constants.SERVED_MODEL_NAME, "prompt": prompt_ids, "max_tokens": max_tokens, "n": DRAIN_CHOICES,
+            "temperature": 1.0, "ignore_eos": True, "return_token_ids": True}
+
+    async def run() -> tuple[list[dict], float]:
+        async with httpx.AsyncClient(timeout=240) as client:
+            tasks = [asyncio.create_task(client.post(f"{url}/v1/completions", json=body))
+                     for _ in range(DRAIN_REQUESTS)]
+            deadline = time.monotonic() + 120
+            while True:  # until the engine runs them (condition with a deadline)
+                samples = get_samples((await client.get(f"{url}/metrics")).text)
+                if samples.get("vllm:num_requests_running", 0) > 0:
+                    break
+                assert time.monotonic() < deadline, "no request started running within 120 s"
+                await asyncio.sleep(0.05)
+            signalled = time.monotonic()
+            os.kill(proc.pid, signal.SIGTERM)
+            replies = await asyncio.gather(*tasks, return_exceptions=True)
+            return [r if isinstance(r, BaseException) else {"status": r.status_code, "json": r.json()}
+                    for r in replies], signalled
+
+    replies, signalled = asyncio.run(run())
+    proc.wait(timeout=constants.INFERENCE_DRAIN_SECONDS + 30)
+    exited_after = time.monotonic() - signalled
+    text = log.read_text(errors="replace")
+    drained = [line for line in text.splitlines() if "draining in-flight requests" in line]
+    print(f"\nSIGTERM with {DRAIN_REQUESTS} requests x {DRAIN_CHOICES} of {max_tokens} tokens queued or running: "
+          f"{drained[-1].strip() if drained else 'no drain line'}; exited {exited_after:.1f} s after the signal")
+    # the drain path ran with requests in flight (vLLM's abort mode would end them as aborted)
+    assert drained and int(drained[-1].split("count=")[1].split()[0]) > 0, text[-3000:]
+    bad = [r for r in replies if isinstance(r, BaseException) or r["status"] != 200]
+    assert not bad, bad[:3]
+    for reply in replies:
+        assert len(reply["json"]["choices"]) == DRAIN_CHOICES
+        for choice in reply["json"]["choices"]:
+            assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == max_tokens, choice
+    assert exited_after < constants.INFERENCE_DRAIN_SECONDS + 30

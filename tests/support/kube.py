@@ -50,6 +50,7 @@ from rlrun_api import constants
 from rlrun_operator.config import OperatorConfig
 from rlrun_operator.handlers import get_registry
 from rlrun_operator.kubeapi import KINDS, KubeApi, get_api_client
+from rlrun_operator.memo import OperatorMemo
 
 # Kinds with a status subresource (patching the main resource keeps their status).
 STATUS_SUBRESOURCE_KINDS = {"Deployment", "StatefulSet", "Job", "Pod", "PersistentVolumeClaim", "Service",
@@ -432,7 +433,7 @@ async def serve_kubernetes(check_kinds: bool = True) -> AsyncIterator[tuple[Fide
 
 @contextlib.asynccontextmanager
 async def run_operator(server: str, status_interval: float = 1.0,
-                       operator_namespace: str | None = None) -> AsyncIterator[kopf.Memo]:
+                       operator_namespace: str | None = None) -> AsyncIterator[OperatorMemo]:
     """Run the real operator (rlrun_operator.handlers) embedded, cluster-wide and standalone, logged in
     to ``server`` through an ``@kopf.on.login`` handler; stops it (stop flag, then cancel) on exit.
     ``operator_namespace``: the namespace the operator believes it runs in (None: its own default)."""
@@ -443,7 +444,7 @@ async def run_operator(server: str, status_interval: float = 1.0,
     async def login(**_: Any) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=server)
 
-    memo = kopf.Memo(api=KubeApi(get_api_client(server)), config=config)
+    memo = OperatorMemo(config=config, api=KubeApi(get_api_client(server)))
     ready, stop = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(kopf.operator(registry=registry, clusterwide=True, standalone=True,
                                              memo=memo, ready_flag=ready, stop_flag=stop))

@@ -78,13 +78,17 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def inference_server(config: Path, storage: Path, log_path: Path) -> Iterator[str]:
-    """Run ``rlrun-runtime inference --config CONFIG`` (role both) and yield its base URL once /health is 200."""
+def inference_server(config: Path, storage: Path, log_path: Path,
+                     started: list[subprocess.Popen] | None = None) -> Iterator[str]:
+    """Run ``rlrun-runtime inference --config CONFIG`` (role both) and yield its base URL once /health is 200.
+    ``started``, if given, gets the server's Popen (the role execs vLLM: its pid is the API server's)."""
     port = free_port()
     env = role_env(storage, **{constants.ENV_INFERENCE_PORT: str(port), constants.ENV_INFERENCE_ROLE: "both"})
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "rlrun_runtime.cli", "inference", "--config", str(config)],
                                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    if started is not None:
+        started.append(proc)
     url = f"http://{LOOPBACK}:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -32,6 +32,7 @@ PACKAGES = {"rlrun_api": ROOT / "api", "rlrun_operator": ROOT / "operator", "rlr
 # in an image. A new guarded import fails test_optional_imports_are_the_known_ones until it is named here.
 OPTIONAL_IMPORTS = {
     "verifiers": "a user's environment package, for spec.environment.type: verifiers only; the error names it",
+    "nixl": "rlrun's vLLM plugin sets NIXL's progress-thread pause only where NIXL is installed (the image has it)",
 }
 # What runtime/Dockerfile builds from source and installs as wheels (distribution names), besides the
 # `nixl` dispatcher it installs by name.

@@ -12,6 +12,7 @@ from rlrun_api.spec import apply_defaults
 from rlrun_runtime.inference import get_served_weights, get_vllm_args, get_vllm_env
 from rlrun_runtime.role import RoleConfigError
 from rlrun_runtime.storage import RunStorage
+from rlrun_runtime.vllm_plugin import get_delayed_agent, get_positive_int, register
 from vllm_role import tiny_rlrun
 
 
@@ -44,6 +45,8 @@ def test_cpu_both_args_parse_in_vllm(vllm_parser):
     assert parsed.worker_extension_cls == "rlrun_runtime.vllm_worker.RLRunWorkerExtension"
     assert parsed.kv_transfer_config is None
     assert "--tokenizer" not in args
+    # SIGTERM drains in-flight requests (and prefill's unread KV) instead of aborting them
+    assert parsed.shutdown_timeout == constants.INFERENCE_DRAIN_SECONDS > 30
 
 
 @pytest.mark.parametrize("role,kv_role", [("prefill", "kv_producer"), ("decode", "kv_consumer")])
@@ -96,9 +99,57 @@ def test_unknown_role_names_the_env_var():
         get_vllm_args(spec_of(tiny_rlrun()), "kv_both", "m", 1)
 
 
-def test_child_env_enables_rl_endpoints():
+def test_child_env_enables_rl_endpoints_and_the_plugin_settings():
     env = get_vllm_env({"PATH": "/bin"})
-    assert env == {"PATH": "/bin", constants.ENV_VLLM_DEV_MODE: "1"}
+    assert env == {"PATH": "/bin", constants.ENV_VLLM_DEV_MODE: "1",
+                   constants.ENV_VLLM_SHM_RECHECK_MS: str(constants.VLLM_SHM_RECHECK_MS)}
+    cpu = get_vllm_env({"PATH": "/bin"}, on_cpu=True)
+    assert cpu[constants.ENV_NIXL_PROGRESS_DELAY_US] == str(constants.CPU_NIXL_PROGRESS_DELAY_US)
+    assert get_vllm_env({constants.ENV_VLLM_SHM_RECHECK_MS: "200"})[constants.ENV_VLLM_SHM_RECHECK_MS] == "200"
+
+
+@pytest.mark.parametrize("raw,expected", [("50", 50), (" 7 ", 7), ("", None), ("0", None), ("-5", None),
+                                          ("fast", None), ("1.5", None)])
+def test_the_plugin_reads_a_positive_integer_or_leaves_the_setting_alone(raw, expected):
+    assert get_positive_int({"X": raw}, "X") == expected
+    assert get_positive_int({}, "X") is None
+
+
+def test_the_plugin_is_registered_and_lowers_vllms_recheck_interval(monkeypatch):
+    """vLLM loads it from the entry point in every process it starts; the interval only ever goes down."""
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert plugins["rlrun_vllm_settings"] == "rlrun_runtime.vllm_plugin:register"
+    monkeypatch.delenv(constants.ENV_NIXL_PROGRESS_DELAY_US, raising=False)
+    monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", 5000)
+    monkeypatch.setenv(constants.ENV_VLLM_SHM_RECHECK_MS, "50")
+    register()
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 50
+    monkeypatch.setenv(constants.ENV_VLLM_SHM_RECHECK_MS, "900")
+    register()
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 50
+
+
+def test_the_plugin_gives_every_nixl_agent_a_progress_thread_pause(monkeypatch):
+    """NIXL's agent sets pthrDelay = 0 on its config before nixlAgent(name, config): the wrapper sets the
+    pause in between, on NIXL's own config object, once however often the plugin runs."""
+    import nixl._api as nixl_api
+
+    monkeypatch.setattr(nixl_api.nixlBind, "nixlAgent", nixl_api.nixlBind.nixlAgent)
+    monkeypatch.setenv(constants.ENV_NIXL_PROGRESS_DELAY_US, "1000")
+    monkeypatch.delenv(constants.ENV_VLLM_SHM_RECHECK_MS, raising=False)
+    register()
+    register()
+    wrapper = nixl_api.nixlBind.nixlAgent
+    assert wrapper.rlrun_delay_us == 1000
+    seen = []
+    config = nixl_api.nixlBind.nixlAgentConfig()
+    config.pthrDelay = 0
+    get_delayed_agent(lambda name, cfg: seen.append((name, cfg.pthrDelay)), 1000)("a", config)
+    assert seen == [("a", 1000)]
 
 
 def test_served_weights_are_the_newest_final_step(tmp_path):
@@ -107,3 +158,10 @@ def test_served_weights_are_the_newest_final_step(tmp_path):
     for name in ("step-000002", "step-000010", ".step-000011.abc.tmp"):
         (storage.weights_dir / name).mkdir(parents=True)
     assert get_served_weights(storage) == (10, storage.weights(10))
+
+
+def test_the_reload_method_the_orchestrator_calls_exists_on_the_worker_extension():
+    from rlrun_runtime.vllm_worker import EXTENSION_QUALNAME, RLRunWorkerExtension
+
+    assert callable(getattr(RLRunWorkerExtension, constants.VLLM_RELOAD_METHOD))
+    assert EXTENSION_QUALNAME == f"{RLRunWorkerExtension.__module__}.{RLRunWorkerExtension.__qualname__}"

@@ -61,6 +61,14 @@ def test_metrics_tail_waits_for_complete_lines(tmp_path):
     assert [r["step"] for r in tail.rows] == [1, 2, 3]
 
 
+def test_eta_follows_the_pace_of_the_last_steps():
+    """Steps 1-20 took 1 s each, 21-30 take 5 s each: 10 steps are left, at the recent 5 s per step."""
+    times = {step: float(step) for step in range(1, 21)}
+    times.update({step: 20.0 + 5 * (step - 20) for step in range(21, 31)})
+    progress = get_progress(_rows(30), {}, max_steps=40, step_times=times, started_at=0.0, now=70.0)
+    assert progress.eta_seconds == pytest.approx(10 * 5.0)
+
+
 def test_progress_from_metrics_and_orchestrator_scrape():
     registry = CollectorRegistry()
     for name, value in [(c.METRIC_STEP, 4), (c.METRIC_POLICY_VERSION, 3), (c.METRIC_LAST_REWARD, 0.2),

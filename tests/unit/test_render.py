@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from rlrun_api import constants as c
 from rlrun_operator import render as render_module
-from rlrun_operator.render import RESERVED_ENV_NAMES, RenderError, get_child_names, get_config_hash, render
+from rlrun_api.constants import RESERVED_ENV_NAMES
+from rlrun_operator.render import RenderError, get_child_names, get_config_hash, render
 from rlrun_api.sizing import size_pd
 from rlrun_api.spec import apply_defaults
 from rlrun_api.validation import validate
@@ -311,6 +312,9 @@ def test_prefill_and_decode_are_sized_by_the_ratio_and_play_their_roles():
         # A roll replaces one pod at a time without a surge pod: it never waits for a spare GPU.
         assert deployments[f"qwen3-4b-math-{role}"]["spec"]["strategy"] == {
             "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+        # the pod outlives vLLM's drain (--shutdown-timeout) on SIGTERM, e.g. when a pool scales down
+        assert deployments[f"qwen3-4b-math-{role}"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] \
+            == c.INFERENCE_TERMINATION_GRACE_SECONDS > c.INFERENCE_DRAIN_SECONDS
         service = one(objects, "Service", f"qwen3-4b-math-{role}")
         assert service["spec"]["clusterIP"] == "None"
         assert service["spec"]["selector"][c.LABEL_COMPONENT] == role
@@ -643,8 +647,8 @@ def test_names_that_cannot_name_the_children_are_rejected(name):
 
 
 def test_public_api():
-    assert render_module.__all__ == ["RESERVED_ENV_NAMES", "RenderError", "get_child_names", "get_config_hash",
-                                     "get_inference_pools", "render"]
+    assert render_module.__all__ == ["RenderError", "get_child_names", "get_config_hash", "get_inference_pools",
+                                     "render"]
     assert issubclass(RenderError, ValueError)
 
 

@@ -18,7 +18,7 @@ HEADER = f"apiVersion: {constants.API_VERSION}\nkind: {constants.KIND}\nmetadata
     (HEADER + "spec: {model: {name: a}, model: {name: b}}\n", r"key 'model' appears twice .*keep only one"),
     ("apiVersion: v1\nkind: ConfigMap\n", r"not an RLRun; set apiVersion: rlrun.dev/v1alpha1 and kind: RLRun"),
     ("", r"holds no YAML document"),
-    (HEADER + "spec: {}\n---\n" + HEADER + "spec: {}\n", r"holds 2 RLRun documents; a role reads exactly one"),
+    (HEADER + "spec: {}\n---\n" + HEADER + "spec: {}\n", r"holds 2 RLRun documents; a role reads exactly one per file"),
     (HEADER, r"no `spec` mapping; pass an RLRun YAML"),
     (HEADER + "spec: [1]\n", r"no `spec` mapping"),
 ])

@@ -11,9 +11,10 @@ from rlrun_runtime.weights import TRANSPORTS, WeightTransport, get_transport
 from rlrun_runtime.weights.filesystem import FilesystemTransport
 
 
-def test_registry_knows_filesystem_and_names_what_exists():
-    assert sorted(TRANSPORTS) == ["filesystem"]
-    with pytest.raises(ValueError, match=r"spec.weightSync.transport: 'nccl' is not available; use one of: filesystem"):
+def test_registry_knows_filesystem_and_gloo_and_names_what_exists():
+    assert sorted(TRANSPORTS) == ["filesystem", "gloo"]
+    with pytest.raises(ValueError, match=r"spec.weightSync.transport: 'nccl' is not available; use one of: "
+                                         r"filesystem, gloo"):
         get_transport("nccl", RunStorage("/nonexistent"))
 
 

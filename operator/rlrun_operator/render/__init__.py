@@ -16,14 +16,13 @@ from .inference import get_inference_pools, render_inference
 from .metadata import RenderError, check_run_name, get_child_names
 from .network import render_network_policy
 from .orchestrator import render_orchestrator
-from rlrun_api.constants import RESERVED_ENV_NAMES
 
 from .pod import check_pod_env
 from .router import render_router, render_router_rbac
 from .storage import get_claim_name, get_storage_defaulted, render_pvc
 from .trainer import render_trainer
 
-__all__ = ["RESERVED_ENV_NAMES", "RenderError", "get_child_names", "get_config_hash", "get_inference_pools", "render"]
+__all__ = ["RenderError", "get_child_names", "get_config_hash", "get_inference_pools", "render"]
 
 # Kinds in the order render() returns (and the operator applies) them.
 APPLY_ORDER = (

@@ -49,8 +49,9 @@ def get_config_hash(spec: dict[str, Any], component: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
-def get_config_document(rlrun: dict[str, Any]) -> dict[str, Any]:
-    """The RLRun as the roles read it: apiVersion, kind, metadata name/namespace, the (defaulted) spec.
+def get_config_document(rlrun: dict[str, Any], copy_spec: bool = True) -> dict[str, Any]:
+    """The RLRun as the roles read it: apiVersion, kind, metadata name/namespace, the (defaulted) spec (a
+    deep copy; with ``copy_spec=False`` the rlrun's own spec, for a caller that only reads it).
 
     Labels, annotations, uid and status are left out, so that the ConfigMap only changes with the spec.
     """
@@ -59,7 +60,7 @@ def get_config_document(rlrun: dict[str, Any]) -> dict[str, Any]:
         "apiVersion": rlrun.get("apiVersion", c.API_VERSION),
         "kind": rlrun.get("kind", c.KIND),
         "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
-        "spec": copy.deepcopy(rlrun["spec"]),
+        "spec": copy.deepcopy(rlrun["spec"]) if copy_spec else rlrun["spec"],
     }
 
 
@@ -70,7 +71,10 @@ _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 def render_config_map(rlrun: dict[str, Any], name: str) -> dict[str, Any]:
     """ConfigMap ``name`` with key ``constants.CONFIG_FILE_NAME`` = get_config_document as YAML (sorted keys)."""
-    text = yaml.dump(get_config_document(rlrun), Dumper=_DUMPER, sort_keys=True, default_flow_style=False)
+    # Without the deep copy of the spec: the dump only reads it, and a deep copy keeps the spec's shared
+    # nodes shared (YAML anchors), so the text is the same.
+    text = yaml.dump(get_config_document(rlrun, copy_spec=False), Dumper=_DUMPER, sort_keys=True,
+                     default_flow_style=False)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

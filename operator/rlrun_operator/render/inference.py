@@ -84,6 +84,7 @@ def render_inference(rlrun: dict[str, Any], names: dict[str, str], claim_name: s
 
     Deployment replicas = the seed of get_inference_pools, 0 when spec.suspend. GPUs = gpusPerReplica.
     Probes: vLLM's /health on the http port (startup probe allows an hour for download and load).
+    terminationGracePeriodSeconds = INFERENCE_TERMINATION_GRACE_SECONDS: the server drains on SIGTERM.
     With GPUs (gpusPerReplica > 0) the rollout strategy is RollingUpdate with maxSurge 0, maxUnavailable 1
     (get_gpu_rollout): Kubernetes' default (25 % surge) would need spare GPUs for the extra pod and stall
     in a cluster sized for the run; instead one old pod at a time is stopped before its replacement starts.
@@ -117,6 +118,8 @@ def render_inference(rlrun: dict[str, Any], names: dict[str, str], claim_name: s
             config_hash=get_config_hash(spec, component),
             shm=True,
         )
+        # vLLM drains on SIGTERM for up to INFERENCE_DRAIN_SECONDS (Kubernetes' default grace is 30 s).
+        template["spec"]["terminationGracePeriodSeconds"] = c.INFERENCE_TERMINATION_GRACE_SECONDS
         services.append(render_service(rlrun, name, component, [(PORT_HTTP, c.INFERENCE_PORT)], headless=True))
         deployments.append(
             {

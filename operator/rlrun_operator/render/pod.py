@@ -63,12 +63,8 @@ def check_pod_env(spec: dict[str, Any]) -> None:
 
 
 def get_env(rlrun: dict[str, Any], role_env: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Base env + ``role_env`` + spec.pod.env, in that order (later entries may use ``$(EARLIER)``).
-
-    Raises:
-        RenderError: see check_pod_env.
-    """
-    check_pod_env(rlrun["spec"])
+    """Base env + ``role_env`` + spec.pod.env, in that order (later entries may use ``$(EARLIER)``); render()
+    has refused a spec.pod.env that names a reserved variable (check_pod_env) before any container is built."""
     user = rlrun["spec"].get("pod", {}).get("env") or []
     return get_base_env(rlrun) + [copy.deepcopy(e) for e in role_env] + copy.deepcopy(user)
 

@@ -56,12 +56,17 @@ def render_trainer(rlrun: dict[str, Any], names: dict[str, str], claim_name: str
     The Service publishes not-ready pods, because the rendezvous on pod 0 happens before any pod is ready.
     The StatefulSet has replicas = trainer.nodes (0 when spec.suspend), podManagementPolicy Parallel (all
     nodes start together; torchrun waits for every one), GPUs = trainer.gpusPerNode. Probes hit /metrics
-    on TRAINER_METRICS_PORT.
+    on TRAINER_METRICS_PORT. With a push weight transport (gloo, nccl) the pods and the Service also expose
+    WEIGHT_PUSH_PORT.
     """
     spec = rlrun["spec"]
     run_name = rlrun["metadata"]["name"]
     name = names["trainer"]
     ports = [(PORT_RENDEZVOUS, c.TRAINER_MASTER_PORT), (PORT_METRICS, c.TRAINER_METRICS_PORT)]
+    if spec["weightSync"]["transport"] in c.PUSH_TRANSPORTS:
+        # The push transports: rank 0's TCPStore, which the orchestrator and the inference workers dial
+        # (docs/weight-transport.md). Their gloo/NCCL data connections use ephemeral ports.
+        ports.append((c.WEIGHT_PUSH_PORT_NAME, c.WEIGHT_PUSH_PORT))
     container = render_container(
         rlrun,
         component=c.COMPONENT_TRAINER,

@@ -96,15 +96,13 @@ def load_run(file: str) -> dict[str, Any]:
     from rlrun_api import documents, spec, validation
 
     try:
-        docs = documents.load_documents(file)
+        run = documents.get_single(documents.load_documents(file), file, "rlrun local")
     except documents.SpecFileError as exc:
         raise LocalInputError(str(exc)) from None
-    if len(docs) != 1:
-        raise LocalInputError(f"{file}: holds {len(docs)} RLRuns; rlrun local runs one per file")
-    errors = validation.validate(docs[0])
+    errors = validation.validate(run)
     if errors:
         raise LocalInputError("\n".join(f"{file}: {error}" for error in errors))
-    rlrun = spec.apply_defaults(docs[0])
+    rlrun = spec.apply_defaults(run)
     if rlrun["spec"].get("suspend"):
         raise LocalInputError(f"{file}: spec.suspend: true scales every role to zero, so nothing would run; "
                               "set it to false to run the run locally")

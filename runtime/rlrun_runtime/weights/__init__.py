@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from rlrun_runtime.storage import RunStorage
 from rlrun_runtime.weights.filesystem import FilesystemTransport
+from rlrun_runtime.weights.push import PushTransport
 from rlrun_runtime.weights.transport import WeightTransport
 
-# spec.weightSync.transport -> implementation. `nccl` (the push transport of the broadcast issue) is refused
-# by validation until its module lands here.
-TRANSPORTS: dict[str, type[WeightTransport]] = {FilesystemTransport.name: FilesystemTransport}
+# spec.weightSync.transport -> implementation (docs/weight-transport.md for the push transport).
+TRANSPORTS: dict[str, type[WeightTransport]] = {FilesystemTransport.name: FilesystemTransport,
+                                                PushTransport.name: PushTransport}
 DEFAULT_TRANSPORT = FilesystemTransport.name  # the CRD's default of spec.weightSync.transport
 
 

@@ -21,14 +21,15 @@ vLLM refuses the prefix-cache reset while requests hold KV blocks (HTTP 200 with
 is expected after a ``keep`` pause; requests carry ``cache_salt = "policy-<version>"`` so that KV computed
 with older weights is never reused anyway.
 
-Prefill/decode disaggregation (``prefill`` engines given): the decode engines are paused first and the
-prefill engines only once every decode pause has returned; the prefill engines are resumed first and the
-decode engines only once every prefill engine is resumed (or has failed). A decode engine's ``keep`` pause
-returns only after its pending KV loads from prefill finish, and NIXL's reads of the prefill engine's
-blocks need that engine running: pausing both at once stalled the decode pause until the prefill engine's
-KV leases expired (30 s, vLLM's default ``kv_lease_duration``; measured on CPU, benchmarks/README.md).
-New requests are held by the orchestrator while an update is in flight, so nothing new reaches prefill
-between the two pauses.
+Prefill/decode disaggregation (``prefill`` engines given): the prefill engines are paused first and the
+decode engines only once every prefill pause has returned; the decode engines are resumed first and the
+prefill engines only once every decode engine is resumed (or has failed). A ``keep`` pause returns once the
+engine's in-flight work is over, and for a prefill engine that includes the KV blocks it holds for decode:
+decode, still running, reads them (NIXL reads a paused prefill engine's blocks through its UCX progress
+thread), so the prefill pause returns and decode then has no KV load pending. Pausing decode first made the
+prefill pause wait for KV the paused decode engine would never read until vLLM's 30 s ``kv_lease_duration``
+expired (measured on CPU, benchmarks/README.md, the P/D CI test). New requests are held by the
+orchestrator while an update is in flight, so nothing new reaches prefill between the two pauses.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ async def _restore(admin: VLLMAdmin, transport: WeightTransport, previous: int |
 
 
 class PauseOrder:
-    """The P/D ordering of one update round (see the module docstring): ``first`` engines (decode) pause
-    before ``second`` engines (prefill) and resume after them. Each engine reports ``paused`` once its pause
+    """The P/D ordering of one update round (see the module docstring): ``first`` engines (prefill) pause
+    before ``second`` engines (decode) and resume after them. Each engine reports ``paused`` once its pause
     attempt is over and ``done`` once its resume attempt is over (or it failed before reaching it): a failed
     engine never blocks the others. Engines in neither set are not ordered."""
 
@@ -197,7 +198,7 @@ async def update_engines(engines: Sequence[str], version: int, transport: Weight
 
     engines = [url.rstrip("/") for url in engines]  # the keys VLLMAdmin.base_url uses
     prefill_engines = {url.rstrip("/") for url in prefill} & set(engines)
-    order = PauseOrder(set(engines) - prefill_engines, prefill_engines) if prefill_engines else None
+    order = PauseOrder(prefill_engines, set(engines) - prefill_engines) if prefill_engines else None
 
     async def one(url: str) -> EngineUpdate:
         try:

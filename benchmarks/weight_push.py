@@ -1,0 +1,160 @@
+"""Weight update time, pause -> resume, push (``gloo``) versus ``filesystem``, on one real vLLM server on CPU.
+
+Run from the repository root (takes the heavy lock itself is up to the caller)::
+
+    flock /tmp/rlrun-heavy.lock .venv/bin/python -m benchmarks.weight_push --rounds 10
+    flock /tmp/rlrun-heavy.lock .venv/bin/python -m benchmarks.weight_push --qwen3-0.6b --rounds 3
+
+One server (transport gloo, so it runs rlrun's engine) serves the model; every round publishes a new
+version through the push transport (which also writes ``weights/step-N``), then updates the server with
+it twice through the one update sequence (``weights/update.py``): once pushed from memory, once reloaded
+from the storage by the filesystem transport. The figures are the sequence's own ``latency_ms`` (pause
+sent -> resume answered). ``--qwen3-0.6b`` serves a random model of Qwen3-0.6B's shape in bfloat16
+(~1.2 GB of safetensors written and re-read per filesystem load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from rlrun_api import constants
+from rlrun_runtime.storage import RunStorage
+from rlrun_runtime.weights.filesystem import FilesystemTransport
+from rlrun_runtime.weights.push import PushTransport
+from rlrun_runtime.weights.update import update_engines
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def qwen3_06b_dir(path: Path) -> Path:
+    """A random Qwen3-0.6B-shaped model (bfloat16, tied embeddings) with the tiny model's tokenizer files."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                         tie_word_embeddings=True, dtype="bfloat16")
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def start_server(config: Path, storage: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = dict(os.environ, **{constants.ENV_STORAGE_DIR: str(storage), constants.ENV_BIND_HOST: "127.0.0.1",
+                              constants.ENV_VLLM_CPU_KVCACHE_SPACE: "1", constants.ENV_INFERENCE_PORT: str(port),
+                              constants.ENV_INFERENCE_ROLE: "both"})
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "rlrun_runtime.cli", "inference", "--config", str(config)],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"vLLM exited:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        time.sleep(1)
+    raise SystemExit("vLLM not healthy after 900 s")
+
+
+def state_of(model_dir: Path, seed: int, dtype) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    generator = torch.Generator().manual_seed(seed)
+    state = {name: (p + (torch.randn(p.shape, generator=generator) * 1e-3).to(p.dtype)).contiguous()
+             for name, p in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--qwen3-0.6b", dest="big", action="store_true")
+    args = parser.parse_args(argv)
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="rlrun-bench-push-") as tmp:
+        root = Path(tmp)
+        storage = root / "storage"
+        if args.big:
+            model, dtype, torch_dtype = str(qwen3_06b_dir(root / "qwen3-0.6b")), "bfloat16", torch.bfloat16
+        else:
+            model, dtype, torch_dtype = constants.TINY_MODEL_NAME, "float32", torch.float32
+        rlrun = {"apiVersion": constants.API_VERSION, "kind": constants.KIND, "metadata": {"name": "bench"},
+                 "spec": {"model": {"name": model, "dtype": dtype, "maxModelLen": 128},
+                          "environment": {"type": "builtin", "name": "reverse-words", "seed": 0},
+                          "trainer": {"gpusPerNode": 0}, "inference": {"gpusPerReplica": 0, "replicas": 1},
+                          "weightSync": {"transport": "gloo"}}}
+        config = root / "run.yaml"
+        config.write_text(yaml.safe_dump(rlrun))
+        os.environ.setdefault(constants.ENV_WEIGHT_PUSH_PORT, "0")
+        proc, url = start_server(config, storage, root / "vllm.log")
+        try:
+            model_dir = Path(model) if args.big else storage / "model"
+            template = root / "template"
+            template.mkdir()
+            for entry in model_dir.iterdir():
+                if entry.is_file() and not entry.name.endswith((".safetensors", ".index.json")):
+                    (template / entry.name).write_bytes(entry.read_bytes())
+            push, filesystem = PushTransport(RunStorage(storage)), FilesystemTransport(RunStorage(storage))
+            times: dict[str, list[float]] = {"push": [], "filesystem": []}
+            publish_s = []
+            previous = None
+            for version in range(1, args.rounds + 1):
+                state = state_of(model_dir, version, torch_dtype)
+                start = time.perf_counter()
+                push.publish(state, version, template)
+                publish_s.append(time.perf_counter() - start)
+                for name, transport in (("push", push), ("filesystem", filesystem)):
+                    update = asyncio.run(update_engines([url], version, transport, previous=previous))[0]
+                    times[name].append(update.latency_ms)
+                previous = version
+            push.close()
+            size = sum(p.stat().st_size for p in RunStorage(storage).weights(args.rounds).glob("*.safetensors"))
+            print(f"model {'random Qwen3-0.6B shape, bf16' if args.big else 'rlrun-tiny, fp32'}, "
+                  f"{size / 2**20:.1f} MiB per version, {args.rounds} rounds, fallbacks {push.fallbacks}")
+            for name, values in times.items():
+                print(f"{name:>10}: pause->resume p50 {statistics.median(values):8.1f} ms  "
+                      f"p99 {percentile(values, 0.99):8.1f} ms  max {max(values):8.1f} ms")
+            print(f"   publish (hold + write to storage): median {statistics.median(publish_s) * 1000:.1f} ms")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""rlrun's vLLM general plugin: two process-level settings that vLLM 0.32 offers no flag for.
+
+vLLM runs general plugins (entry point group ``vllm.general_plugins``, pyproject.toml) in each process it
+starts, workers included, before they read their shared-memory rings or create a NIXL agent. Each setting is
+applied only when its env var is set; the inference role sets them (:func:`rlrun_runtime.inference.get_vllm_env`).
+
+1. ``RLRUN_VLLM_SHM_RECHECK_MS``: the most an idle vLLM process sleeps on a lost wake-up. The engine core and
+   its workers hand each step over a shared-memory ring (``vllm/distributed/device_communicators/
+   shm_broadcast.py``); an idle reader sleeps on a ZeroMQ notification (the writer's socket holds at most one
+   message, ``SNDHWM`` 1) and re-reads the ring's written-flag only every ``SHM_READER_RECHECK_INTERVAL_MS``
+   (5000; vLLM's comment: it "bounds lost-notify recovery latency to ~5s"). Engine-core logs of the P/D CI test
+   on 2 loaded cores showed "Poller timed out" before steps the other side had long finished. 50 ms bounds that
+   wait; an idle reader then checks one flag 20 times a second.
+2. ``RLRUN_NIXL_PROGRESS_DELAY_US``: the pause of NIXL's UCX progress thread between polls. NIXL's Python
+   agent hard-codes ``pthrDelay = 0`` (``nixl/_api.py``), so that thread spins: measured here, a prefill
+   server's worker used 94 % of a core (100 % system time, ``epoll_wait`` with timeout 0 in libucp) while it
+   served nothing, and on 2 cores that starved the decode server's start-up and every other role. Without the
+   thread, a decode READ over UCX's TCP transport never completes while the prefill side is idle (measured: still
+   in progress after 15 s); with a 1 ms pause it completed in 23 ms and the idle agent used no measurable CPU
+   (``benchmarks/README.md``, the P/D CI test). Set for CPU servers only: on GPU the transfers are RDMA and a
+   dedicated core is cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Mapping
+
+from rlrun_api import constants
+
+log = logging.getLogger(__name__)
+
+
+def get_positive_int(env: Mapping[str, str], name: str) -> int | None:
+    """The positive integer in ``env[name]``; None when unset, empty or not a positive integer (the setting is
+    then left to vLLM / NIXL)."""
+    raw = env.get(name, "").strip()
+    if not raw.isdigit() or int(raw) <= 0:
+        return None
+    return int(raw)
+
+
+def bound_shm_recheck(recheck_ms: int) -> bool:
+    """Lower vLLM's ``SHM_READER_RECHECK_INTERVAL_MS`` to ``recheck_ms`` (never raise it). False when this vLLM
+    has no such constant (nothing changed, a warning logged)."""
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    current = getattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", None)
+    if not isinstance(current, int):
+        log.warning("vLLM has no shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS; %s has no effect",
+                    constants.ENV_VLLM_SHM_RECHECK_MS)
+        return False
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = min(current, recheck_ms)
+    return True
+
+
+def get_delayed_agent(make_agent: Callable[[Any, Any], Any], delay_us: int) -> Callable[[Any, Any], Any]:
+    """``make_agent`` (NIXL's ``nixlAgent(name, config)``) with the config's progress-thread delay set to
+    ``delay_us`` first."""
+    def make(name: Any, config: Any) -> Any:
+        config.pthrDelay = delay_us
+        return make_agent(name, config)
+
+    make.rlrun_delay_us = delay_us  # type: ignore[attr-defined]  # marks the wrapper (applied once)
+    return make
+
+
+def set_nixl_progress_delay(delay_us: int) -> bool:
+    """Make every NIXL agent this process creates pause ``delay_us`` between progress polls. False when NIXL is
+    not installed or has no ``nixlAgent`` binding (nothing changed)."""
+    try:
+        import nixl._api as nixl_api
+    except ImportError:
+        return False
+    bindings = getattr(nixl_api, "nixlBind", None)
+    make_agent = getattr(bindings, "nixlAgent", None)
+    if make_agent is None:
+        log.warning("NIXL has no nixlBind.nixlAgent; %s has no effect", constants.ENV_NIXL_PROGRESS_DELAY_US)
+        return False
+    if getattr(make_agent, "rlrun_delay_us", None) is None:
+        bindings.nixlAgent = get_delayed_agent(make_agent, delay_us)
+    return True
+
+
+def register() -> None:
+    """The plugin's entry point: apply the settings the env asks for."""
+    recheck_ms = get_positive_int(os.environ, constants.ENV_VLLM_SHM_RECHECK_MS)
+    if recheck_ms is not None:
+        bound_shm_recheck(recheck_ms)
+    delay_us = get_positive_int(os.environ, constants.ENV_NIXL_PROGRESS_DELAY_US)
+    if delay_us is not None:
+        set_nixl_progress_delay(delay_us)

@@ -1,0 +1,191 @@
+"""rlrun's ``gloo`` weight-transfer engine for vLLM 0.32 (server side of ``weightSync.transport: gloo``).
+
+Registered in vLLM's ``WeightTransferEngineFactory`` under :data:`BACKEND` by :func:`register`, a vLLM general
+plugin (entry point ``vllm.general_plugins`` in pyproject.toml), which vLLM runs in every process it starts,
+its workers included (``vllm/v1/worker/worker_base.py`` ``init_worker``), before the worker builds the engine
+(``gpu_worker.Worker.load_model``, also the CPU worker's). The inference role selects it with
+``--weight-transfer-config {"backend": "gloo"}``.
+
+Same wire format and lifecycle as vLLM's NCCL engine (:mod:`rlrun_runtime.weights.push_protocol`), over a
+``ProcessGroupGloo`` built on the trainer's ``TCPStore`` instead of NCCL: ``init_transfer_engine`` joins the
+group (trainer rank 0 + this server's workers), ``start_weight_update`` starts vLLM's layerwise reload,
+``update_weights`` receives the buckets into ``model.load_weights``, ``finish_weight_update`` finalizes the
+reload and re-processes tied LM heads, which vLLM on CPU otherwise leaves holding the old weights (the same
+fix as :mod:`rlrun_runtime.vllm_worker`, measured there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlrun_runtime.weights import push_protocol as proto
+
+log = logging.getLogger(__name__)
+
+BACKEND = "gloo"
+
+
+def register() -> None:
+    """The vLLM general plugin: register :class:`GlooWeightTransferEngine` (idempotent; vLLM may call it more
+    than once per process)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "GlooWeightTransferEngine")
+
+
+@dataclass(kw_only=True)
+class GlooWeightTransferInitInfo:
+    """``POST /init_weight_transfer_engine`` ``init_info`` of this engine: the NCCL engine's fields
+    (``master_address``/``master_port`` of the trainer's TCPStore, ``rank_offset``, ``world_size``, the packed
+    wire params) plus ``group`` (the key prefix of this group in the store) and ``timeout_s`` (rendezvous and
+    every collective)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int = 1
+    world_size: int
+    group: str
+    timeout_s: float = proto.DEFAULT_TIMEOUT_S
+    packed: bool = True
+    packed_buffer_size_bytes: int = proto.DEFAULT_BUCKET_BYTES
+    packed_num_buffers: int = 1
+
+
+def expected_of(model: torch.nn.Module, model_config: Any) -> proto.Expected:
+    """What this engine's model loads: its dtype and the tensor shapes of the checkpoint it was started from
+    (``model_config.model``, a directory or a cached Hugging Face id; headers only). ``shapes`` is None when
+    no checkpoint directory is found."""
+    from pathlib import Path
+
+    from rlrun_runtime.weights.safetensors_check import read_checkpoint_shapes
+
+    dtype = proto.dtype_name(getattr(model_config, "dtype", next(model.parameters()).dtype))
+    source = Path(str(model_config.model))
+    if not source.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            source = Path(snapshot_download(str(model_config.model), revision=model_config.revision,
+                                            local_files_only=True))
+        except Exception:  # noqa: BLE001 - no local copy: the trainer checks dtypes only
+            return proto.Expected(dtype, None)
+    try:
+        return proto.Expected(dtype, read_checkpoint_shapes(source))
+    except ValueError:
+        return proto.Expected(dtype, None)
+
+
+def refresh_lm_heads(model: torch.nn.Module) -> list[str]:
+    """Re-run ``process_weights_after_loading`` of every unquantized ``ParallelLMHead`` (see the module
+    docstring); returns their module names."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
+
+    refreshed = []
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(module, ParallelLMHead) and isinstance(method, UnquantizedEmbeddingMethod):
+            method.process_weights_after_loading(module)
+            refreshed.append(name)
+    return refreshed
+
+
+def _engine_base() -> type:
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    return WeightTransferEngine
+
+
+class GlooWeightTransferEngine(_engine_base()):  # type: ignore[misc]
+    """See the module docstring. One group at a time: a new ``init_transfer_engine`` drops the previous one."""
+
+    init_info_cls = GlooWeightTransferInitInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+
+        self.update_info_cls = NCCLWeightTransferUpdateInfo  # the same {names, dtype_names, shapes}
+        super().__init__(config, vllm_config, device, model)
+        self.group: Any = None
+        self.store: Any = None
+        self.info: GlooWeightTransferInitInfo | None = None
+
+    def _rank(self, info: GlooWeightTransferInitInfo) -> int:
+        parallel = self.parallel_config
+        return parallel.data_parallel_index * parallel.world_size + parallel.rank + info.rank_offset
+
+    def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+        """Connect to the trainer's store, post what this model expects (``expected/<rank>``), join the group.
+
+        Raises (bounded by ``init_info.timeout_s``): the store is unreachable or the trainer never joined.
+        """
+        self.shutdown()
+        timeout = datetime.timedelta(seconds=init_info.timeout_s)
+        rank = self._rank(init_info)
+        store = torch.distributed.TCPStore(init_info.master_address, init_info.master_port, is_master=False,
+                                           timeout=timeout)
+        expected = expected_of(self.model, self.model_config)
+        store.set(proto.group_prefix(init_info.group) + proto.KEY_EXPECTED + str(rank), expected.to_json())
+        hostname = proto.local_address_towards(init_info.master_address, init_info.master_port)
+        self.group = proto.make_gloo_group(store, init_info.group, rank, init_info.world_size,
+                                           init_info.timeout_s, hostname)
+        self.store, self.info = store, init_info
+        log.info("gloo weight transfer: joined group %s as rank %d of %d", init_info.group, rank,
+                 init_info.world_size)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        refresh_lm_heads(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """The base class's, without its ``torch.accelerator.synchronize()`` (no accelerator on CPU; gloo's
+        receive is synchronous)."""
+        typed = self.parse_update_info(update_info)
+        try:
+            self.receive_weights(typed)
+        except BaseException:
+            # vLLM forgets the update after a failed update_weights; give every layer that received nothing
+            # its previous tensors back (none stays on the meta device), as rlrun_reload_weights does.
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            with contextlib.suppress(Exception):
+                finalize_layerwise_reload(self.model, self.model_config)
+            raise
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: Any) -> None:
+        if self.group is None or self.info is None:
+            raise RuntimeError("gloo weight transfer not initialized: call init_weight_transfer_engine first")
+        dtypes = [getattr(torch, name) for name in update_info.dtype_names]
+        load = self._load
+        if self.info.packed:
+            proto.receive_buckets(self.group, update_info.names, dtypes, update_info.shapes,
+                                  self.info.packed_buffer_size_bytes, load)
+        else:  # one tensor per collective (the NCCL engine's unpacked mode)
+            proto.receive_buckets(self.group, update_info.names, dtypes, update_info.shapes, 0, load)
+
+    def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        if self.device.type != "cpu":
+            weights = [(name, tensor.to(self.device)) for name, tensor in weights]
+        with disable_mtp_completeness_check():
+            self.model.load_weights(weights)
+
+    def shutdown(self) -> None:
+        self.group, self.store, self.info = None, None, None

@@ -1,0 +1,327 @@
+"""``weightSync.transport: gloo``: the trainer pushes each version from memory into every engine over
+vLLM's weight-transfer protocol (docs/weight-transport.md has the whole sequence and its timeouts).
+
+Three processes take part. The trainer's rank 0 runs a :class:`PushService` (a ``TCPStore`` on
+``constants.WEIGHT_PUSH_PORT``, its address in ``weights/push-endpoint.json`` on the run's storage) that holds
+the newest published state dict and serves push requests. The orchestrator drives each engine's update
+(pause, load, version, cache, resume: :mod:`rlrun_runtime.weights.update`); for the load,
+:meth:`PushTransport.load_into` posts a request to the service, has the engine join a fresh gloo group with
+the trainer (``/init_weight_transfer_engine``), waits for the trainer's name/dtype/shape check against the
+engine's model, then ``/start_weight_update`` -> ``/update_weights`` (the engine receives while the trainer
+sends) -> ``/finish_weight_update``. The engine side is :mod:`rlrun_runtime.weights.gloo_engine`.
+
+Every version is also written to the storage as the filesystem transport writes it (the trainer does this
+before the orchestrator learns of the version): a starting or restarted engine serves it from there, a
+failed push restores the previous version from there, and when the trainer does not hold the version any
+more (restarted, finished) the engine loads it from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Callable
+
+from rlrun_api import constants
+from rlrun_runtime.storage import RunStorage, atomic_write_json
+from rlrun_runtime.vllm_admin import RELOAD_TIMEOUT_S, EngineError
+from rlrun_runtime.weights import push_protocol as proto
+from rlrun_runtime.weights.filesystem import FilesystemTransport
+
+if TYPE_CHECKING:
+    from rlrun_runtime.vllm_admin import VLLMAdmin
+
+log = logging.getLogger(__name__)
+
+ENDPOINT_FILE = "push-endpoint.json"  # under storage.weights_dir: {"host", "port", "pid"}
+ACCEPT_TIMEOUT_S = 10.0  # the trainer's service answers a request in milliseconds; past this it is gone
+CONNECT_TIMEOUT_S = 5.0  # opening the orchestrator's connection to the trainer's store
+HELD_VERSIONS = 2        # versions the trainer keeps for pushes: a push of N may start after N+1 is published
+CLOSE_GRACE_S = 30.0     # how long an exiting trainer waits for its last version to be pushed once
+KEY_POLL_S = 0.002       # how often a waiting party looks for its key in the store (a local round trip)
+
+
+def _store_client(host: str, port: int, timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _wait_key(store: Any, key: str, timeout_s: float) -> bool:
+    """True once ``key`` is set in ``store``, False after ``timeout_s``. Polls ``check`` every
+    ``KEY_POLL_S``: ``TCPStore.wait`` logs a c10d warning at every timeout, which a serving loop hits
+    twice a second."""
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(KEY_POLL_S)
+    return True
+
+
+def _wait_json(store: Any, key: str, timeout_s: float) -> dict[str, Any] | None:
+    """The JSON value of ``key`` once set, or None after ``timeout_s``."""
+    return json.loads(store.get(key)) if _wait_key(store, key, timeout_s) else None
+
+
+@dataclasses.dataclass
+class PushRecord:
+    """What the service did with one request (kept for tests and logs): ``error`` None when it was sent."""
+
+    request: proto.PushRequest
+    phase: str = "accepted"
+    error: str | None = None
+    buckets: int = 0
+    seconds: float = 0.0
+    finished: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    version: int
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    tensors: list[Any]
+
+
+class PushService:
+    """Trainer rank 0's side of the push (see the module docstring).
+
+    Args:
+        storage: the run's storage (the endpoint file goes there).
+        host: the address engines and the orchestrator reach this process at (``MASTER_ADDR`` in a pod).
+        port: the store's port (0: any free port).
+        on_bucket: called as ``on_bucket(record, index, count)`` after each bucket went out (tests).
+    """
+
+    def __init__(self, storage: RunStorage, host: str, port: int, *, on_bucket: Callable[..., None] | None = None):
+        import torch.distributed as dist
+
+        self.storage, self.host = storage, host
+        self.on_bucket = on_bucket
+        self._store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=proto.DEFAULT_TIMEOUT_S))
+        self.port = int(self._store.port)
+        self._held: dict[int, _Held] = {}  # the newest HELD_VERSIONS versions offered
+        self.pushed: set[int] = set()        # versions sent to at least one engine
+        self._pushed_changed = threading.Condition()
+        self._stop = threading.Event()
+        self.records: dict[int, PushRecord] = {}
+        self._thread = threading.Thread(target=self._serve, name="rlrun-push", daemon=True)
+        self._thread.start()
+        storage.weights_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(storage.weights_dir / ENDPOINT_FILE, {"host": host, "port": self.port, "pid": os.getpid()})
+
+    def offer(self, state: dict[str, Any], version: int) -> None:
+        """Hold ``state`` (CPU tensors, full) as ``version``: what later requests for ``version`` get. Pushes of
+        an older version already under way keep their own reference."""
+        names, dtypes, shapes = proto.manifest_of(state)
+        # A copy: on CPU the gathered state dict may share storage with the parameters the next optimizer
+        # step changes in place, and a push of this version may still be under way then.
+        held = dict(self._held)
+        held[version] = _Held(version, names, dtypes, shapes, [state[n].detach().clone() for n in names])
+        self._held = {v: held[v] for v in sorted(held)[-HELD_VERSIONS:]}
+
+    def close(self, timeout_s: float = proto.DEFAULT_TIMEOUT_S, grace_s: float = CLOSE_GRACE_S) -> None:
+        """Stop serving: wait up to ``grace_s`` for the newest version to be pushed to an engine at least
+        once (the orchestrator asks within milliseconds of its publication), remove the endpoint file (later
+        loads read the storage), let the pushes under way finish (each bounded by its own timeout; all of
+        them by ``timeout_s``), stop."""
+        newest = max(self._held, default=None)
+        if newest is not None:
+            with self._pushed_changed:
+                self._pushed_changed.wait_for(lambda: newest in self.pushed, timeout=grace_s)
+        (self.storage.weights_dir / ENDPOINT_FILE).unlink(missing_ok=True)
+        deadline = time.monotonic() + timeout_s
+        for record in list(self.records.values()):
+            record.finished.wait(max(0.0, deadline - time.monotonic()))
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _client(self) -> Any:
+        return _store_client("127.0.0.1", self.port, proto.DEFAULT_TIMEOUT_S)
+
+    def _serve(self) -> None:
+        store = self._client()
+        rid = 1
+        while not self._stop.is_set():
+            if not _wait_key(store, proto.key_request(rid), 0.5):
+                continue  # look at the stop flag, wait again
+            request = proto.PushRequest.from_json(store.get(proto.key_request(rid)))
+            record = self.records[rid] = PushRecord(request)
+            threading.Thread(target=self._handle, args=(rid, record), name=f"rlrun-push-{rid}", daemon=True).start()
+            rid += 1
+
+    def _handle(self, rid: int, record: PushRecord) -> None:
+        request = record.request
+        store = self._client()
+
+        def answer(phase: str, error: str | None = None, **fields: Any) -> None:
+            record.phase, record.error = phase, error
+            store.set(proto.key_status(rid, phase), json.dumps({"ok": error is None, "error": error, **fields}))
+            if error is not None:
+                log.warning("push %d: %s", rid, error)
+                record.finished.set()
+
+        held = self._held.get(request.version)
+        if held is None:
+            answer("accepted", f"the trainer holds versions {sorted(self._held)}, not {request.version}")
+            return
+        answer("accepted")
+        try:
+            group = proto.make_gloo_group(store, request.group, 0, request.world_size, request.timeout_s,
+                                          proto.local_address_towards(self.host, self.port))
+        except Exception as err:  # noqa: BLE001 - gloo/store errors are RuntimeErrors of several kinds
+            answer("checked", f"engine {request.engine} did not join the weight-transfer group within "
+                              f"{request.timeout_s:.0f} s: {err}")
+            return
+        try:
+            prefix = proto.group_prefix(request.group) + proto.KEY_EXPECTED
+            for rank in range(1, request.world_size):
+                expected = proto.Expected.from_json(store.get(prefix + str(rank)))
+                proto.check_against_engine(held.names, held.dtypes, held.shapes, expected, request.engine)
+        except Exception as err:  # noqa: BLE001 - ValueError from the check, store errors
+            answer("checked", str(err))
+            return
+        answer("checked", **proto.update_info(held.names, held.dtypes, held.shapes))
+        start = time.monotonic()
+        try:
+            record.buckets = proto.broadcast_buckets(
+                group, held.tensors, request.bucket_bytes,
+                None if self.on_bucket is None else (lambda i, n: self.on_bucket(record, i, n)))
+        except Exception as err:  # noqa: BLE001
+            record.seconds = time.monotonic() - start
+            answer("sent", f"pushing version {request.version} to engine {request.engine} failed after "
+                           f"{record.seconds:.1f} s: {type(err).__name__}: {err}")
+            return
+        record.seconds = time.monotonic() - start
+        answer("sent", buckets=record.buckets, seconds=record.seconds)
+        with self._pushed_changed:
+            self.pushed.add(request.version)
+            self._pushed_changed.notify_all()
+        record.finished.set()
+        print(f"trainer: pushed version {request.version} to {request.engine} ({record.buckets} buckets, "
+              f"{record.seconds:.2f} s)", flush=True)
+
+
+class PushTransport(FilesystemTransport):
+    """``weightSync.transport: gloo`` (see the module docstring). Storage, identity, check and retirement are
+    the filesystem transport's; the trainer side also pushes, and ``load_into`` receives the push."""
+
+    name = "gloo"
+    backend = "gloo"  # the vLLM weight-transfer backend the engines run (--weight-transfer-config)
+
+    def __init__(self, storage: RunStorage, *, timeout_s: float = proto.DEFAULT_TIMEOUT_S,
+                 bucket_bytes: int = proto.DEFAULT_BUCKET_BYTES):
+        super().__init__(storage)
+        self.timeout_s, self.bucket_bytes = timeout_s, bucket_bytes
+        self.service: PushService | None = None
+        self._workers: dict[str, int] = {}  # engine URL -> its worker count
+        self.fallbacks = 0  # loads that went through the storage copy instead of a push
+
+    # --- trainer side ----------------------------------------------------------------------------------
+    def start_service(self, **kwargs: Any) -> PushService:
+        """Start the trainer's :class:`PushService` (rank 0, once). Host: ``MASTER_ADDR`` (trainer pod 0's
+        name), else 127.0.0.1; port: ``RLRUN_WEIGHT_PUSH_PORT``, else ``constants.WEIGHT_PUSH_PORT``."""
+        if self.service is None:
+            host = os.environ.get(constants.ENV_MASTER_ADDR) or "127.0.0.1"
+            port = int(os.environ.get(constants.ENV_WEIGHT_PUSH_PORT, constants.WEIGHT_PUSH_PORT))
+            try:
+                self.service = PushService(self.storage, host, port, **kwargs)
+            except RuntimeError as err:  # the port is taken (local runs side by side); the endpoint file says
+                if port == 0:            # which port is used, so any free one does
+                    raise
+                log.warning("weight push port %d unavailable (%s); using a free port", port, err)
+                self.service = PushService(self.storage, host, 0, **kwargs)
+        return self.service
+
+    def publish(self, state_dict: dict[str, Any], version: int, template_dir: Any) -> None:
+        """Hold ``state_dict`` for pushes of ``version``, then write it to the storage (which is what tells
+        the orchestrator that ``version`` exists)."""
+        self.start_service().offer(state_dict, version)
+        super().publish(state_dict, version, template_dir)
+
+    def close(self, **kwargs: Any) -> None:
+        """Trainer side, at exit: :meth:`PushService.close` with ``kwargs`` (no-op without a service)."""
+        if self.service is not None:
+            self.service.close(**kwargs)
+            self.service = None
+
+    # --- orchestrator side -----------------------------------------------------------------------------
+    def _endpoint(self) -> tuple[str, int] | None:
+        try:
+            data = json.loads((self.storage.weights_dir / ENDPOINT_FILE).read_text(encoding="utf-8"))
+            return str(data["host"]), int(data["port"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    async def _fallback(self, admin: "VLLMAdmin", version: int, why: str) -> None:
+        log.info("engine %s: version %d loaded from the storage instead of pushed: %s", admin.base_url, version, why)
+        self.fallbacks += 1
+        await super().load_into(admin, version)
+
+    async def load_into(self, admin: "VLLMAdmin", version: int) -> None:
+        """Receive ``version`` pushed by the trainer (module docstring); from the storage copy when the
+        trainer's service is unreachable or does not hold ``version``.
+
+        Raises:
+            EngineError: the engine or the trainer failed the push; the message names the engine.
+        """
+        endpoint = self._endpoint()
+        if endpoint is None:
+            return await self._fallback(admin, version, "no trainer push service has announced itself")
+        host, port = endpoint
+        try:
+            store = await asyncio.to_thread(_store_client, host, port, CONNECT_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001
+            return await self._fallback(admin, version, f"trainer push service {host}:{port} unreachable ({err})")
+        if not await admin.health():  # a dead engine fails here, before the trainer waits for it to join
+            raise EngineError(admin.base_url, f"not healthy (GET /health): version {version} not pushed")
+        workers = self._workers.get(admin.base_url) or await admin.worker_count()
+        self._workers[admin.base_url] = workers  # fixed by the spec (TP x DP) for the server's life
+        request = proto.PushRequest(group=uuid.uuid4().hex, version=version, engine=admin.base_url,
+                                    world_size=1 + workers, timeout_s=self.timeout_s, bucket_bytes=self.bucket_bytes)
+        rid = await asyncio.to_thread(store.add, proto.KEY_REQUEST_COUNT, 1)
+        await asyncio.to_thread(store.set, proto.key_request(rid), request.to_json())
+        accepted = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "accepted"), ACCEPT_TIMEOUT_S)
+        if accepted is None or not accepted["ok"]:
+            why = "no answer" if accepted is None else accepted["error"]
+            return await self._fallback(admin, version, f"trainer push service: {why}")
+        await self._push(admin, store, rid, request, host, port)
+
+    async def _push(self, admin: "VLLMAdmin", store: Any, rid: int, request: proto.PushRequest,
+                    host: str, port: int) -> None:
+        url, limit = admin.base_url, request.timeout_s + 30.0
+        init_info = {"master_address": host, "master_port": port, "rank_offset": 1,
+                     "world_size": request.world_size, "group": request.group, "timeout_s": request.timeout_s,
+                     "packed": True, "packed_buffer_size_bytes": request.bucket_bytes}
+        await admin.init_weight_transfer_engine(init_info, timeout_s=limit)
+        checked = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "checked"), limit)
+        if checked is None or not checked["ok"]:
+            raise EngineError(url, "weight push refused before any tensor was sent: "
+                                   + ("the trainer did not answer" if checked is None else checked["error"]))
+        info = proto.update_info(checked["names"], checked["dtype_names"], checked["shapes"])
+        await admin.start_weight_update()
+        try:
+            # The whole model crosses during this call: bounded like a filesystem reload, while each
+            # collective inside is bounded by timeout_s on both sides (a dead peer fails it at once).
+            await admin.update_weights(info, timeout_s=max(limit, RELOAD_TIMEOUT_S))
+        except EngineError as err:
+            sent = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "sent"), 5.0)
+            detail = f"; trainer: {sent['error']}" if sent and sent.get("error") else ""
+            raise EngineError(url, f"receiving version {request.version} failed: {err}{detail}") from err
+        sent = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "sent"), limit)
+        if sent is None or not sent["ok"]:
+            raise EngineError(url, "the trainer did not confirm the push: "
+                                   + ("no answer" if sent is None else sent["error"]))
+        await admin.finish_weight_update()
+        # The engine keeps this group until the next init replaces it (gloo_engine drops the old one first):
+        # no shutdown call, one RPC less per update.
