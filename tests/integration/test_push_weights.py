@@ -4,11 +4,8 @@ push service, the orchestrator's update sequence (one server for the module; the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,34 +18,13 @@ from rlrun_runtime.vllm_admin import EngineError
 from rlrun_runtime.weights.push import PushTransport
 from rlrun_runtime.weights.update import update_engines
 from local_runs import read_jsonl, run_local, write_run
-from vllm_role import LOOPBACK, START_TIMEOUT_S, free_port, role_env, stop_group, tiny_rlrun, write_config
+from vllm_role import inference_server, tiny_rlrun, write_config
 
 PROMPT_IDS = [5, 9, 13, 17, 21, 25]
 TOKENS = 8
 BUCKET_BYTES = 64 * 1024  # small buckets: the tiny model goes out in many of them
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json")
-
-
-def start_server(config: Path, storage: Path, log_path: Path) -> tuple[subprocess.Popen, str]:
-    """``rlrun-runtime inference`` (role both) on a free port; returns the process and its URL once healthy."""
-    port = free_port()
-    env = role_env(storage, **{constants.ENV_INFERENCE_PORT: str(port), constants.ENV_INFERENCE_ROLE: "both"})
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "rlrun_runtime.cli", "inference", "--config", str(config)],
-                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://{LOOPBACK}:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"inference exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        if time.monotonic() > deadline:
-            stop_group(proc)
-            raise RuntimeError(f"vLLM not healthy after {START_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.5)
 
 
 def greedy(url: str) -> tuple[list[int], list[float]]:
@@ -82,25 +58,25 @@ def setup(tmp_path_factory):
     rlrun["spec"]["weightSync"] = {"transport": "gloo"}
     config = write_config(root / "run.yaml", rlrun)
     storage = root / "storage"
-    proc, url = start_server(config, storage, root / "vllm.log")
-    template = root / "template"
-    template.mkdir()
-    for name in MODEL_FILES:
-        if (storage / "model" / name).is_file():
-            (template / name).write_bytes((storage / "model" / name).read_bytes())
-    old = os.environ.get(constants.ENV_WEIGHT_PUSH_PORT)
-    os.environ[constants.ENV_WEIGHT_PUSH_PORT] = "0"
-    transport = PushTransport(RunStorage(storage), timeout_s=20.0, bucket_bytes=BUCKET_BYTES)
-    try:
-        yield {"root": root, "config": config, "storage": storage, "proc": proc, "url": url,
-               "transport": transport, "template": template}
-    finally:
-        transport.close(timeout_s=0.0, grace_s=0.0)
-        stop_group(proc)
-        if old is None:
-            os.environ.pop(constants.ENV_WEIGHT_PUSH_PORT, None)
-        else:
-            os.environ[constants.ENV_WEIGHT_PUSH_PORT] = old
+    started: list = []
+    with inference_server(config, storage, root / "vllm.log", started) as url:
+        template = root / "template"
+        template.mkdir()
+        for name in MODEL_FILES:
+            if (storage / "model" / name).is_file():
+                (template / name).write_bytes((storage / "model" / name).read_bytes())
+        old = os.environ.get(constants.ENV_WEIGHT_PUSH_PORT)
+        os.environ[constants.ENV_WEIGHT_PUSH_PORT] = "0"
+        transport = PushTransport(RunStorage(storage), timeout_s=20.0, bucket_bytes=BUCKET_BYTES)
+        try:
+            yield {"root": root, "config": config, "storage": storage, "proc": started[0], "url": url,
+                   "transport": transport, "template": template}
+        finally:
+            transport.close(timeout_s=0.0, grace_s=0.0)
+            if old is None:
+                os.environ.pop(constants.ENV_WEIGHT_PUSH_PORT, None)
+            else:
+                os.environ[constants.ENV_WEIGHT_PUSH_PORT] = old
 
 
 @pytest.mark.vllm
@@ -121,11 +97,8 @@ def test_pushed_weights_serve_like_a_fresh_server_from_the_same_checkpoint(setup
     pushed = greedy(url)
     assert pushed[0] != before[0]  # the new weights change the continuation
 
-    proc, fresh_url = start_server(setup["config"], storage, setup["root"] / "fresh.log")
-    try:
+    with inference_server(setup["config"], storage, setup["root"] / "fresh.log") as fresh_url:
         fresh = greedy(fresh_url)
-    finally:
-        stop_group(proc)
     assert pushed[0] == fresh[0]
     assert max(abs(a - b) for a, b in zip(pushed[1], fresh[1])) <= 1e-5
 
