@@ -37,6 +37,7 @@ SERVICE_DISCOVERY_PORT = INFERENCE_PORT  # port vllm-router uses for pods it dis
 TRAINER_METRICS_PORT = 9091     # trainer rank 0: Prometheus metrics and liveness
 WEIGHT_PUSH_PORT = 29600       # trainer rank 0: TCPStore rendezvous of the push weight transports (gloo, nccl)
 WEIGHT_PUSH_PORT_NAME = "weight-push"  # its name on the trainer pods and Service (push transports only)
+TRAINER_METRICS_PORT_NAME = "metrics"      # TRAINER_METRICS_PORT's name on the trainer pods (PodMonitor, NetworkPolicy)
 OPERATOR_METRICS_PORT = 8080
 OPERATOR_HEALTH_PORT = 8081
 
@@ -92,6 +93,12 @@ ENV_ROUTER_METRICS_PORT = "RLRUN_ROUTER_METRICS_PORT"
 ENV_PREFILL_URLS = "RLRUN_PREFILL_URLS"      # static prefill URLs for the router (local runs; clusters discover pods)
 ENV_DECODE_URLS = "RLRUN_DECODE_URLS"
 ENV_WORKER_URLS = "RLRUN_WORKER_URLS"        # static worker URLs for the router when not disaggregated (local runs)
+# `rlrun local` with autoscaling: a JSON file the orchestrator re-reads (by mtime) for the servers it reaches
+# directly and the router it sends completions to, so that servers joining or leaving need no restart
+# (runtime/rlrun_runtime/local/membership.py has its format). Unset in a cluster (DNS lists the pods there).
+ENV_LOCAL_SERVERS_FILE = "RLRUN_LOCAL_SERVERS_FILE"
+LOCAL_SERVERS_FILE = "local/servers.json"   # under the output directory
+LOCAL_SCALING_FILE = "local/scaling.jsonl"  # one line per local autoscaler decision that acted or changed reason
 ENV_ROUTER_DISCOVERY = "RLRUN_ROUTER_DISCOVERY"  # one of ROUTER_DISCOVERY_MODES
 ROUTER_DISCOVERY_KUBERNETES = "kubernetes"  # the router watches the run's pods by label (in a cluster)
 ROUTER_DISCOVERY_STATIC = "static"          # the router gets the engines' URLs from env (rlrun local)
@@ -120,6 +127,14 @@ ENV_WEIGHT_PUSH_PORT = "RLRUN_WEIGHT_PUSH_PORT"  # override of WEIGHT_PUSH_PORT 
 PUSH_TRANSPORTS = {"gloo": "gloo", "nccl": "nccl"}
 # Address the inference, router and orchestrator servers listen on (default 0.0.0.0 in pods); `rlrun local`
 # and the tests set 127.0.0.1 so that nothing listens beyond loopback.
+# The Hugging Face hub cache (huggingface_hub, transformers and vLLM download model ids into it): rendered as
+# <storage.mountPath>/MODEL_CACHE_DIR in every container of a run whose model.name is a Hugging Face id, unless
+# spec.storage.modelCache is false (render.storage.get_model_cache_dir), so the trainer and every inference pod
+# download a model once. Only the hub cache moves (not HF_HOME, which also holds a token file); spec.pod.env may
+# override it.
+ENV_HF_HUB_CACHE = "HF_HUB_CACHE"
+MODEL_CACHE_DIR = "hf-cache"
+DEFAULT_MODEL_CACHE = True  # spec.storage.modelCache when left out (no CRD schema default: see the CRD)
 ENV_BIND_HOST = "RLRUN_BIND_HOST"
 DEFAULT_BIND_HOST = "0.0.0.0"
 # Values of RLRUN_INFERENCE_ROLE.
@@ -135,8 +150,8 @@ INFERENCE_DRAIN_SECONDS = 60
 INFERENCE_TERMINATION_GRACE_SECONDS = INFERENCE_DRAIN_SECONDS + 30
 
 # --- The role contract's env names -------------------------------------------------------------------
-# Every variable rlrun sets in some container except ENV_VLLM_CPU_KVCACHE_SPACE, a default that spec.pod.env
-# may override (it comes later in the env list; the kubelet keeps the last value of a name). spec.pod.env
+# Every variable rlrun sets in some container except OVERRIDABLE_ENV_NAMES (ENV_VLLM_CPU_KVCACHE_SPACE and
+# ENV_HF_HUB_CACHE), defaults that spec.pod.env may override (it comes later in the env list; the kubelet keeps the last value of a name). spec.pod.env
 # applies to every container, so it may name none of these (tests check that rendered containers set
 # nothing else).
 RESERVED_ENV_NAMES = frozenset({
@@ -148,6 +163,7 @@ RESERVED_ENV_NAMES = frozenset({
     ENV_ROUTER_DISCOVERY, ENV_ROUTER_PORT, ENV_ROUTER_METRICS_PORT,
     ENV_ROUTER_URL, ENV_INFERENCE_ENDPOINTS, ENV_PREFILL_ENDPOINTS, ENV_METRICS_PORT,
 })
+OVERRIDABLE_ENV_NAMES = frozenset({ENV_VLLM_CPU_KVCACHE_SPACE, ENV_HF_HUB_CACHE})
 
 # --- Files -------------------------------------------------------------------------------------
 CONFIG_MOUNT_DIR = "/etc/rlrun"
@@ -201,6 +217,8 @@ CHILD_NAME_SUFFIXES = MappingProxyType({
     "router": "-" + COMPONENT_ROUTER,
     "orchestrator": "-" + COMPONENT_ORCHESTRATOR,
     "network-policy": "-" + COMPONENT_INFERENCE,
+    # Rendered only for the push weight transports (spec.weightSync.transport in PUSH_TRANSPORTS).
+    "trainer-network-policy": "-" + COMPONENT_TRAINER,
 })
 CHILD_SUFFIXES = tuple(dict.fromkeys(CHILD_NAME_SUFFIXES.values()))  # each distinct suffix once
 STATEFULSET_SUFFIXES = (CHILD_NAME_SUFFIXES["trainer"],)
@@ -238,6 +256,29 @@ METRIC_ROLLOUTS = "rlrun_orchestrator_rollouts"                               # 
 METRIC_GENERATED_TOKENS = "rlrun_orchestrator_generated_tokens"               # counter: completion tokens
 METRIC_DROPPED_GROUPS = "rlrun_orchestrator_dropped_groups"                   # counter {reason}
 METRIC_DROPPED_SAMPLES = "rlrun_orchestrator_dropped_samples"                 # counter {reason}
+# Held-out evaluation (spec.evaluation; runtime/rlrun_runtime/evaluation.py). Labelled by sampling (greedy |
+# sampled), so the gauges are absent until the first evaluation (an unlabelled gauge would read 0 before it).
+METRIC_EVAL_REWARD = "rlrun_orchestrator_eval_reward"                         # gauge {sampling}: mean reward
+METRIC_EVAL_POLICY_VERSION = "rlrun_orchestrator_eval_policy_version"         # gauge {sampling}: version evaluated
+METRIC_EVALUATIONS = "rlrun_orchestrator_evaluations"                         # counter {result} (_total)
+EVAL_RESULT_OK = "ok"                  # every request ran on the version recorded
+EVAL_RESULT_MIXED = "mixed"            # a weight update overlapped every attempt (recorded, flagged)
+EVAL_RESULT_FAILED = "failed"          # requests failed; nothing recorded, retried at the next version due
+EVAL_SAMPLING_GREEDY = "greedy"        # spec.evaluation.sampling values
+EVAL_SAMPLING_SAMPLED = "sampled"
+EVAL_FILE_NAME = "eval.jsonl"          # on the run's storage, beside metrics.jsonl: one line per evaluation
+# Held-out tasks are environment indices HELD_OUT_TASK_INDEX_BASE + i (training draws 0, 1, 2, ...), and a
+# training task whose prompt equals a held-out one is skipped (counted in METRIC_DROPPED_PROMPTS{reason=held_out}).
+HELD_OUT_TASK_INDEX_BASE = 1 << 40
+DROPPED_PROMPT_HELD_OUT = "held_out"
+# Experiment tracking (spec.tracking; runtime/rlrun_runtime/tracking.py): TensorBoard event files under
+# <storage>/TENSORBOARD_DIR_NAME; the W&B API key, from the Secret spec.tracking.wandb.apiKeySecret names,
+# rendered into the orchestrator container as ENV_WANDB_API_KEY (W&B's own variable).
+TENSORBOARD_DIR_NAME = "tensorboard"
+WANDB_DIR_NAME = "wandb"               # under <storage>/orchestrator: W&B's run directory (offline runs stay there)
+ENV_WANDB_API_KEY = "WANDB_API_KEY"
+DEFAULT_WANDB_API_KEY_SECRET_KEY = "WANDB_API_KEY"
+TRACKING_STATE_FILE_NAME = "tracking.json"  # under <storage>/orchestrator: what the sinks have been given
 
 # --- Metrics the trainer serves on TRAINER_METRICS_PORT (rank 0; also the probes' endpoint) ----------
 METRIC_TRAINER_STEP = "rlrun_trainer_step"                          # last completed step = policy version
@@ -258,6 +299,7 @@ VLLM_METRIC_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"                       # 
 # NixlConnector's stats on a decode server: one histogram observation per KV transfer, failed transfers
 VLLM_METRIC_NIXL_TRANSFER_SECONDS = "vllm:nixl_xfer_time_seconds"                # histogram (_count: transfers)
 VLLM_METRIC_NIXL_FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers"            # counter (exposed with _total)
+VLLM_METRIC_REQUEST_SUCCESS = "vllm:request_success"                           # counter {finished_reason} (_total)
 
 # --- Metrics the operator serves (operator/rlrun_operator/metrics.py) -----------------------------
 # What the operator exports about its autoscaler (per run; role = prefill | decode)
@@ -275,6 +317,7 @@ OPERATOR_METRIC_RUNS = "rlrun_operator_runs"                              # gaug
 OPERATOR_METRIC_RUN_STEP = "rlrun_operator_run_step"                      # gauge {namespace, name}
 OPERATOR_METRIC_RUN_POLICY_VERSION = "rlrun_operator_run_policy_version"  # gauge {namespace, name}
 OPERATOR_METRIC_RUN_LAST_REWARD = "rlrun_operator_run_last_reward"        # gauge {namespace, name}
+OPERATOR_METRIC_RUN_EVAL_REWARD = "rlrun_operator_run_eval_reward"        # gauge {namespace, name}: held-out
 OPERATOR_METRIC_RUN_WEIGHT_UPDATE = "rlrun_operator_run_weight_update_in_flight"  # gauge {namespace, name}: 0/1
 OPERATOR_METRIC_RUN_CONDITION = "rlrun_operator_run_condition"            # gauge {namespace, name, type}: 1 True, 0 not
 OPERATOR_METRIC_QUEUE_DEPTH = "rlrun_operator_queue_depth"                # gauge {namespace, name, role}
@@ -295,3 +338,9 @@ EVENT_RESIZE_LEFT_TO_AUTOSCALER = "ResizeLeftToAutoscaler"  # autoscaling on: th
 DEFAULT_MAX_KV_CACHE_USAGE = 0.8     # maxKvCacheUsage: 20 % KV headroom after a shrink
 DEFAULT_GATED_FRACTION = 0.5         # gatedFraction: generation held most of the interval
 DEFAULT_TRAINER_WAIT_FRACTION = 0.2  # trainerWaitFraction: the trainer idles a fifth of the time for data
+# `rlrun local` with autoscaling: at most this many prefill + decode servers on one machine (each vLLM server
+# on CPU takes one core and ~1.5 GiB; the spec's maxReplicas is capped to it, docs/local.md "Autoscaling").
+LOCAL_MAX_INFERENCE_SERVERS = 3
+# How long a local server that joins after a scale-up may take to start and load the current weights
+# (vLLM starts in 30-90 s on a loaded 2-core machine) before it is stopped and the scale-up given up.
+LOCAL_JOIN_TIMEOUT_S = 300.0

@@ -12,8 +12,8 @@ it runs, on the object after ``spec.apply_defaults``:
    wrong type does not also show up as a confusing rule failure.
 3. semantic checks that a schema cannot express (P:D sizing, autoscaling bounds against the sized pools,
    trainer parallelism degrees, builtin environment names, metadata.name present, spec.pod.env not
-   replacing the runtime's own variables, features this release does not implement yet: LoRA, fp8/mxfp8,
-   ep/cp > 1, partial FSDP, the nccl weight transport — checked last, only when nothing
+   replacing the runtime's own variables nor a W&B key from spec.tracking, features this release does
+   not implement yet: LoRA, fp8/mxfp8, ep/cp > 1, partial FSDP, the nccl weight transport — checked last, only when nothing
    else is wrong). They run only when step 1 found nothing, because they read
    many fields at once and need them well typed; an error whose path a CEL rule already reported is not
    repeated.
@@ -419,6 +419,20 @@ def check_trainer_implemented(trainer: TrainerView, world_size: int | None = Non
     return out
 
 
+def get_trainer_deprecations(trainer: TrainerView) -> list[str]:
+    """Deprecated spec fields the trainer still reads, one line each naming the field and its replacement.
+
+    ``algorithm.microBatchSize`` (samples per padded micro-batch) is read while ``algorithm.microBatchTokens``
+    is unset; its CRD default keeps it present in every defaulted spec, so the line appears for every spec
+    without microBatchTokens.
+    """
+    if trainer.micro_batch_tokens is None:
+        return [f"spec.algorithm.microBatchSize ({trainer.micro_batch_size} samples per padded micro-batch) is "
+                "deprecated; set spec.algorithm.microBatchTokens to pack the rollouts into rows of that many "
+                "tokens"]
+    return []
+
+
 def check_environment(environment: dict[str, Any]) -> list[FieldError]:
     """Builtin task names are known (constants.BUILTIN_ENVIRONMENTS); python names are import paths."""
     kind, name = environment["type"], environment["name"]
@@ -441,11 +455,25 @@ def check_pod_env(pod: dict[str, Any]) -> list[FieldError]:
             for i, entry in enumerate(pod.get("env") or []) if entry.get("name") in constants.RESERVED_ENV_NAMES]
 
 
+def check_tracking(run_spec: dict[str, Any]) -> list[FieldError]:
+    """A W&B API key from ``spec.tracking.wandb.apiKeySecret`` and a ``spec.pod.env`` entry named
+    ``constants.ENV_WANDB_API_KEY`` would both set the variable (the later, pod.env's, would win silently):
+    one error naming the pod.env entry. Only when W&B is enabled (otherwise nothing is rendered)."""
+    wandb = (run_spec.get("tracking") or {}).get("wandb") or {}
+    if not wandb.get("enabled") or not wandb.get("apiKeySecret"):
+        return []
+    return [FieldError(f"spec.pod.env[{i}].name", f"{constants.ENV_WANDB_API_KEY} also comes from "
+                                                  "spec.tracking.wandb.apiKeySecret; remove one of the two")
+            for i, entry in enumerate((run_spec.get("pod") or {}).get("env") or [])
+            if entry.get("name") == constants.ENV_WANDB_API_KEY]
+
+
 def check_semantics(rlrun: dict[str, Any]) -> list[FieldError]:
     """Semantic checks of a defaulted, schema-valid RLRun (see the module docstring)."""
     run_spec = rlrun["spec"]
     return [*check_name(rlrun.get("metadata")), *check_environment(run_spec["environment"]),
-            *check_parallelism(run_spec["trainer"]), *check_pools(run_spec), *check_pod_env(run_spec["pod"])]
+            *check_parallelism(run_spec["trainer"]), *check_pools(run_spec), *check_pod_env(run_spec["pod"]),
+            *check_tracking(run_spec)]
 
 
 # --- all together --------------------------------------------------------------------------------

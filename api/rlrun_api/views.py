@@ -135,6 +135,7 @@ class TrainerView(SpecView):
     lora_rank: int
     quantization: str
     weight_transport: str = "filesystem"
+    micro_batch_tokens: int | None = None  # None: the deprecated microBatchSize layout (one padded row a sample)
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> "TrainerView":
@@ -151,7 +152,7 @@ class TrainerView(SpecView):
             use_gpu=trainer["gpusPerNode"] > 0, nodes=trainer["nodes"], gpus_per_node=trainer["gpusPerNode"],
             fsdp=trainer["parallelism"]["fsdp"], ep=trainer["parallelism"]["ep"], cp=trainer["parallelism"]["cp"],
             lora_rank=trainer["lora"]["rank"], quantization=trainer["quantization"],
-            weight_transport=view["weightSync"]["transport"])
+            weight_transport=view["weightSync"]["transport"], micro_batch_tokens=alg.get("microBatchTokens"))
 
 
 @dataclass(frozen=True)
@@ -253,6 +254,61 @@ class EnvironmentView:
 
 
 @dataclass(frozen=True)
+class EvaluationView:
+    """``spec.evaluation`` (pure): periodic evaluation on held-out tasks, done by the orchestrator.
+
+    ``every_steps`` (policy versions between evaluations), ``prompts`` (held-out prompts, one completion each),
+    ``sampling`` (``constants.EVAL_SAMPLING_GREEDY`` or ``EVAL_SAMPLING_SAMPLED``) and ``max_tokens``
+    (completion cap in tokens: ``evaluation.maxTokens``, else ``algorithm.sampling.maxTokens``). Defaults are
+    the CRD's (applied with the section; the section itself has none, so runs without it are unchanged).
+    """
+
+    every_steps: int
+    prompts: int
+    sampling: str
+    max_tokens: int
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> "EvaluationView | None":
+        """The view of a defaulted spec's ``evaluation``; None when it is absent or ``enabled: false``."""
+        evaluation = spec.get("evaluation")
+        if not isinstance(evaluation, Mapping) or not evaluation.get("enabled", True):
+            return None
+        max_tokens = evaluation.get("maxTokens", spec["algorithm"]["sampling"]["maxTokens"])
+        return cls(every_steps=int(evaluation["everySteps"]), prompts=int(evaluation["prompts"]),
+                   sampling=str(evaluation["sampling"]), max_tokens=int(max_tokens))
+
+
+@dataclass(frozen=True)
+class WandbView:
+    """``spec.tracking.wandb`` when enabled: project, entity (None: the API key's default), mode (online |
+    offline). The API key reaches the orchestrator as ``constants.ENV_WANDB_API_KEY``, never through a view."""
+
+    project: str
+    entity: str | None
+    mode: str
+
+
+@dataclass(frozen=True)
+class TrackingView:
+    """``spec.tracking`` (pure): which metric sinks the orchestrator feeds. Both off when the section is absent."""
+
+    tensorboard: bool = False
+    wandb: WandbView | None = None
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> "TrackingView":
+        """The view of a defaulted spec's ``tracking``."""
+        tracking = spec.get("tracking")
+        if not isinstance(tracking, Mapping):
+            return cls()
+        board, wandb = tracking.get("tensorboard") or {}, tracking.get("wandb") or {}
+        return cls(tensorboard=bool(board.get("enabled", False)),
+                   wandb=WandbView(project=str(wandb["project"]), entity=wandb.get("entity"),
+                                   mode=str(wandb["mode"])) if wandb.get("enabled", False) else None)
+
+
+@dataclass(frozen=True)
 class OrchestratorView(SpecView):
     """What the orchestrator reads: nearly everything. It is a Job, whose pod template is immutable, so the
     operator recreates the Job when this projection changes (it resumes from orchestrator/state.json). Of
@@ -281,6 +337,8 @@ class OrchestratorView(SpecView):
     weight_transport: str
     max_empty_batches: int = constants.DEFAULT_MAX_EMPTY_BATCHES
     truncation: str = constants.DEFAULT_TRUNCATION
+    evaluation: EvaluationView | None = None  # spec.evaluation (None: off)
+    tracking: TrackingView = TrackingView()   # spec.tracking
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> "OrchestratorView":
@@ -311,7 +369,8 @@ class OrchestratorView(SpecView):
             max_tokens=int(sampling["maxTokens"]), max_model_len=int(view["model"]["maxModelLen"]),
             disaggregated=bool(view["inference"]["disaggregation"]["enabled"]),
             environment=EnvironmentView.from_mapping(view["environment"]),
-            weight_transport=view["weightSync"]["transport"])
+            weight_transport=view["weightSync"]["transport"],
+            evaluation=EvaluationView.from_spec(view), tracking=TrackingView.from_spec(view))
 
 
 @dataclass(frozen=True)

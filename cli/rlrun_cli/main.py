@@ -15,8 +15,6 @@ import importlib.util
 import sys
 from typing import Any, TextIO
 
-import yaml
-
 from rlrun_api import __version__, constants, documents, names, spec, validation
 
 EXIT_OK = 0
@@ -139,6 +137,7 @@ def run_render(file: str, namespace: str | None, out: TextIO, err: TextIO,
         return EXIT_INVALID
     from rlrun_operator import apply, reconcile  # only this command needs the operator's modules
     from rlrun_operator.render import RenderError, render
+    from rlrun_operator.render.config import dump_manifests
 
     try:
         manifests = render(rlrun, operator_namespace=operator_namespace)
@@ -150,7 +149,7 @@ def run_render(file: str, namespace: str | None, out: TextIO, err: TextIO,
     suspended = bool(rlrun["spec"].get("suspend"))
     sizes = reconcile.get_pool_sizes(rlrun["spec"])
     manifests = [apply.get_creatable(m, suspended, sizes) for m in manifests]
-    out.write(yaml.safe_dump_all(manifests, sort_keys=False, default_flow_style=False))
+    out.write(dump_manifests(manifests))  # the ConfigMap's run config as a literal block, not an escaped string
     return EXIT_OK
 
 

@@ -40,6 +40,9 @@ RUN_POLICY_VERSION = Gauge(constants.OPERATOR_METRIC_RUN_POLICY_VERSION,
                            ["namespace", "name"], registry=REGISTRY)
 RUN_LAST_REWARD = Gauge(constants.OPERATOR_METRIC_RUN_LAST_REWARD, "Mean reward of a run's last trainer batch.",
                         ["namespace", "name"], registry=REGISTRY)
+RUN_EVAL_REWARD = Gauge(constants.OPERATOR_METRIC_RUN_EVAL_REWARD,
+                        "Mean reward of a run's last held-out evaluation (spec.evaluation).",
+                        ["namespace", "name"], registry=REGISTRY)
 RUN_WEIGHT_UPDATE = Gauge(constants.OPERATOR_METRIC_RUN_WEIGHT_UPDATE,
                           "1 while a run's inference servers are paused for a weight update.",
                           ["namespace", "name"], registry=REGISTRY)
@@ -93,7 +96,7 @@ def set_run_progress(namespace: str, name: str, progress: Progress | None, depth
     """Re-export a run's scraped progress and per-pool queue depth (absent values are left unchanged)."""
     if progress is not None:
         for gauge, value in ((RUN_STEP, progress.step), (RUN_POLICY_VERSION, progress.policy_version),
-                             (RUN_LAST_REWARD, progress.last_reward),
+                             (RUN_LAST_REWARD, progress.last_reward), (RUN_EVAL_REWARD, progress.eval_reward),
                              (RUN_WEIGHT_UPDATE, progress.weight_update_in_flight)):
             if value is not None:
                 gauge.labels(namespace, name).set(float(value))
@@ -117,7 +120,8 @@ def forget_run(namespace: str, name: str) -> None:
     """Drop every series of a deleted run."""
     _PHASES.pop((namespace, name), None)
     _refresh_phases()
-    for gauge in (RUN_STEP, RUN_POLICY_VERSION, RUN_LAST_REWARD, RUN_WEIGHT_UPDATE, STATUS_REFRESHES):
+    for gauge in (RUN_STEP, RUN_POLICY_VERSION, RUN_LAST_REWARD, RUN_EVAL_REWARD, RUN_WEIGHT_UPDATE,
+                  STATUS_REFRESHES):
         try:
             gauge.remove(namespace, name)
         except KeyError:

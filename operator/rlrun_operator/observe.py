@@ -32,8 +32,8 @@ def get_run_labels(name: str) -> dict[str, str]:
 
 def get_progress(text: str) -> Progress:
     """The orchestrator's progress (constants.METRIC_STEP, METRIC_POLICY_VERSION, METRIC_LAST_REWARD,
-    METRIC_WEIGHT_UPDATE_IN_FLIGHT, METRIC_STALLED_ENGINES, METRIC_ENGINES_OUT_OF_SERVICE) from its /metrics
-    text; absent metrics are None."""
+    METRIC_WEIGHT_UPDATE_IN_FLIGHT, METRIC_STALLED_ENGINES, METRIC_ENGINES_OUT_OF_SERVICE, and of the held-out
+    evaluation METRIC_EVAL_REWARD, METRIC_EVAL_POLICY_VERSION) from its /metrics text; absent metrics are None."""
     samples = get_samples(text)
 
     def pick(name: str) -> float | None:
@@ -42,11 +42,13 @@ def get_progress(text: str) -> Progress:
     step, version = pick(constants.METRIC_STEP), pick(constants.METRIC_POLICY_VERSION)
     reward, flight = pick(constants.METRIC_LAST_REWARD), pick(constants.METRIC_WEIGHT_UPDATE_IN_FLIGHT)
     stalled, paused = pick(constants.METRIC_STALLED_ENGINES), pick(constants.METRIC_ENGINES_OUT_OF_SERVICE)
+    eval_reward, eval_version = pick(constants.METRIC_EVAL_REWARD), pick(constants.METRIC_EVAL_POLICY_VERSION)
     return Progress(step=None if step is None else int(step),
                     policy_version=None if version is None else int(version),
                     last_reward=reward, weight_update_in_flight=None if flight is None else flight > 0,
                     stalled_engines=None if stalled is None else int(stalled),
-                    engines_out_of_service=None if paused is None else int(paused))
+                    engines_out_of_service=None if paused is None else int(paused),
+                    eval_reward=eval_reward, eval_policy_version=None if eval_version is None else int(eval_version))
 
 
 def get_pod_targets(pods: list[dict[str, Any]]) -> tuple[str | None, dict[str, list[str]]]:

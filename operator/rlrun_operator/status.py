@@ -30,8 +30,8 @@ TERMINAL_PHASES = (PHASE_SUCCEEDED, PHASE_FAILED)
 
 REASON_INVALID_SPEC = "InvalidSpec"
 # Status keys this module owns (others, e.g. scalingHistory, are never touched).
-OWNED_KEYS = ("phase", "observedGeneration", "step", "policyVersion", "lastReward", "startTime",
-              "completionTime", "conditions", "replicas")
+OWNED_KEYS = ("phase", "observedGeneration", "step", "policyVersion", "lastReward", "lastEvalReward",
+              "lastEvalPolicyVersion", "startTime", "completionTime", "conditions", "replicas")
 
 # The roles, named by their app.kubernetes.io/component.
 TRAINER = constants.COMPONENT_TRAINER
@@ -61,6 +61,8 @@ class Progress:
     weight_update_in_flight: bool | None = None
     stalled_engines: int | None = None          # constants.METRIC_STALLED_ENGINES
     engines_out_of_service: int | None = None   # constants.METRIC_ENGINES_OUT_OF_SERVICE
+    eval_reward: float | None = None            # constants.METRIC_EVAL_REWARD (held-out evaluation)
+    eval_policy_version: int | None = None      # constants.METRIC_EVAL_POLICY_VERSION
 
 
 def get_field(rlrun: Any, *keys: str) -> Any:
@@ -180,7 +182,8 @@ def get_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress:
             its current status for lastTransitionTime, startTime and sticky progress).
         workloads: the run's Deployments, StatefulSet and Job as the API server has them (with ``kind``).
         progress: the orchestrator's scraped metrics, or None when they could not be read (the last known
-            step/policyVersion/lastReward are then kept).
+            step/policyVersion/lastReward/lastEvalReward/lastEvalPolicyVersion are then kept, as each is
+            when its metric is absent: the evaluation gauges exist only after a run's first evaluation).
         now: RFC 3339 timestamp, e.g. "2026-01-01T00:00:00Z".
         reconciled_generation: metadata.generation of the spec last applied to the children, or None.
         invalid: "path: message" lines when the spec fails validation (Ready=False reason InvalidSpec).
@@ -258,7 +261,9 @@ def get_status(rlrun: dict[str, Any], workloads: list[dict[str, Any]], progress:
         status["completionTime"] = old.get("completionTime") or now
     values = {"step": progress.step if progress else None,
               "policyVersion": progress.policy_version if progress else None,
-              "lastReward": progress.last_reward if progress else None}
+              "lastReward": progress.last_reward if progress else None,
+              "lastEvalReward": progress.eval_reward if progress else None,
+              "lastEvalPolicyVersion": progress.eval_policy_version if progress else None}
     for key, value in values.items():
         if value is not None:
             status[key] = value

@@ -162,6 +162,43 @@ def policy_loss(
     shape = trainer_logprobs.shape
     if on_policy_mask is None:
         on_policy_mask = torch.zeros(shape, dtype=torch.bool, device=trainer_logprobs.device)
+    if on_policy_mask.shape == shape:
+        num_on_policy = int((loss_mask.bool() & on_policy_mask.bool()).sum())
+        if num_on_policy and total_on_policy_tokens < 1:
+            raise ValueError(f"{num_on_policy} on-policy tokens but total_on_policy_tokens is "
+                             f"{total_on_policy_tokens}; pass the step's on-policy token count")
+    loss, sums = policy_loss_on_device(trainer_logprobs, inference_logprobs, advantages, loss_mask,
+                                       total_loss_tokens, ratio_low, ratio_high, kl_coef, on_policy_mask,
+                                       total_on_policy_tokens)
+    return loss, LossMetrics.from_tensor(sums.cpu())
+
+
+def policy_loss_on_device(
+    trainer_logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    total_loss_tokens: int,
+    ratio_low: float = 0.125,
+    ratio_high: float = 8.0,
+    kl_coef: float = 0.0,
+    on_policy_mask: torch.Tensor | None = None,
+    total_on_policy_tokens: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`policy_loss` without reading anything back to the host (no device synchronisation).
+
+    Same arguments and the same loss; the metrics come as a float64 tensor on the inputs' device, in the
+    order of :meth:`LossMetrics.as_tensor` (add them over micro-batches, read them once per step with
+    :meth:`LossMetrics.from_tensor`). The caller guarantees ``total_on_policy_tokens >= 1`` whenever
+    ``on_policy_mask`` marks a loss token (:func:`policy_loss` checks it); with none marked the on-policy KL
+    is 0.
+
+    Raises:
+        ValueError: mismatched shapes or ``total_loss_tokens < 1``.
+    """
+    shape = trainer_logprobs.shape
+    if on_policy_mask is None:
+        on_policy_mask = torch.zeros(shape, dtype=torch.bool, device=trainer_logprobs.device)
     for name, t in (("inference_logprobs", inference_logprobs), ("advantages", advantages),
                     ("loss_mask", loss_mask), ("on_policy_mask", on_policy_mask)):
         if t.shape != shape:
@@ -171,10 +208,6 @@ def policy_loss(
 
     mask = loss_mask.bool()
     on_policy = mask & on_policy_mask.bool()
-    num_on_policy = int(on_policy.sum())
-    if num_on_policy and total_on_policy_tokens < 1:
-        raise ValueError(f"{num_on_policy} on-policy tokens but total_on_policy_tokens is "
-                         f"{total_on_policy_tokens}; pass the step's on-policy token count")
     # Prompt and padding positions may hold arbitrary values: zero them so exp() cannot overflow there.
     log_ratio = torch.where(mask, trainer_logprobs.float() - inference_logprobs.float(), 0.0)
     with torch.no_grad():
@@ -197,13 +230,14 @@ def policy_loss(
 
     with torch.no_grad():
         n = float(total_loss_tokens)
-        metrics = LossMetrics(
-            mismatch_kl=float(torch.where(mask, k3_all, 0.0).sum()) / n,
-            masked_fraction=float((mask & outside).sum()) / n,
-            ratio_mean=float(torch.where(mask, metric_ratio, 0.0).sum()) / n,
-            advantage_mean=float(torch.where(mask, advantages.float(), 0.0).sum()) / n,
-            mismatch_kl_on_policy=(float(torch.where(on_policy, k3_all, 0.0).sum()) / total_on_policy_tokens
-                                   if num_on_policy else 0.0),
-            on_policy_fraction=num_on_policy / n,
-        )
-    return loss, metrics
+        # With no on-policy token the numerator is 0, so any divisor >= 1 gives the 0 of policy_loss.
+        on_policy_n = float(max(1, total_on_policy_tokens))
+        sums = torch.stack([
+            torch.where(mask, k3_all, 0.0).sum() / n,
+            (mask & outside).sum().double() / n,
+            torch.where(mask, metric_ratio, 0.0).sum() / n,
+            torch.where(mask, advantages.float(), 0.0).sum().double() / n,
+            torch.where(on_policy, k3_all, 0.0).sum() / on_policy_n,
+            on_policy.sum().double() / n,
+        ])
+    return loss, sums

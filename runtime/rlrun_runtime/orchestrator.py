@@ -45,6 +45,8 @@ import httpx
 
 from rlrun_api import constants
 from rlrun_api.views import OrchestratorView
+from rlrun_runtime.local.membership import ServerSet, ServersFile
+from rlrun_runtime.evaluation import EvalSettings, EvaluationSpecError, Evaluator, HeldOutTasks
 from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics, count_new_waits, parse_trainer_waits
 from rlrun_runtime.role import (RoleConfigError, env_bind_host, env_list, env_port, env_required, load_spec,
                                 print_role_error, role_main)
@@ -53,6 +55,7 @@ from rlrun_runtime.rollouts import (BAD_LOGPROBS, BAD_TOKEN_IDS, Group, assemble
                                    plan_group_count)
 from rlrun_runtime.staleness import may_generate
 from rlrun_runtime.storage import FileTail, RunStorage, append_jsonl, atomic_write_json, list_steps, step_name
+from rlrun_runtime.tracking import Tracker, TrackingSetupError, build_tracker
 from rlrun_runtime.vllm_admin import HEALTH_PROBE_TIMEOUT_S, EngineError, VLLMAdmin, parse_version, resolve_engines
 from rlrun_runtime.weights import get_transport
 from rlrun_runtime.weights.update import update_engines
@@ -166,11 +169,18 @@ class Orchestrator:
         metrics: the Prometheus metrics to update.
         prefill_endpoints: ``RLRUN_PREFILL_ENDPOINTS``, the prefill pool's part of ``endpoints`` under P/D
             disaggregation (re-resolved before every weight update; the update's P/D order needs it).
+        servers_file: ``RLRUN_LOCAL_SERVERS_FILE`` (autoscaled ``rlrun local``): when the file exists, its
+            lists and router replace the three above, re-read whenever it changes (servers join and leave
+            without a restart; :mod:`rlrun_runtime.local.membership`).
+        held_out: the held-out tasks of ``spec.evaluation`` (None: no evaluation); kept out of training and
+            evaluated by an :class:`rlrun_runtime.evaluation.Evaluator`.
+        tracker: the ``spec.tracking`` sinks (None: none), fed from ``metrics.jsonl`` and the evaluations.
     """
 
     def __init__(self, view: OrchestratorView, storage: RunStorage, env: Any, tokenizer: Any,
                  endpoints: Sequence[str], router_url: str | None, metrics: OrchestratorMetrics,
-                 *, prefill_endpoints: Sequence[str] = (), poll_s: float = POLL_S,
+                 *, prefill_endpoints: Sequence[str] = (), servers_file: str | None = None,
+                 held_out: HeldOutTasks | None = None, tracker: Tracker | None = None, poll_s: float = POLL_S,
                  health_timeout_s: float = HEALTH_TIMEOUT_S, stall_after_s: float = STALL_AFTER_S,
                  watchdog_poll_s: float = WATCHDOG_POLL_S):
         self.view = view
@@ -178,9 +188,10 @@ class Orchestrator:
         self.transport = get_transport(view.weight_transport, storage)
         self.env = env
         self.tokenizer = tokenizer
-        self.endpoints = list(endpoints)
-        self.prefill_endpoints = list(prefill_endpoints)
-        self.router_url = router_url.rstrip("/") if router_url else None
+        self._endpoints = list(endpoints)
+        self._prefill_endpoints = list(prefill_endpoints)
+        self._router_url = router_url.rstrip("/") if router_url else None
+        self._servers_file = ServersFile(servers_file, ServerSet(())) if servers_file else None
         self.metrics = metrics
         self.poll_s = poll_s
         self.health_timeout_s = health_timeout_s
@@ -206,6 +217,39 @@ class Orchestrator:
         self._round_robin = itertools.count()
         self._loaded_identity: Hashable | None = None
         self._client: httpx.AsyncClient | None = None
+        # spec.evaluation and spec.tracking (None when off): rlrun_runtime.evaluation, rlrun_runtime.tracking.
+        self.held_out = held_out
+        self.tracker = tracker
+        self.evaluator = None if held_out is None or view.evaluation is None else Evaluator(
+            self, view.evaluation, EvalSettings(view.max_steps, view.max_model_len, view.temperature, view.top_p),
+            held_out, render_prompt, storage, on_record=tracker.log_eval if tracker else None)
+
+    # --- the servers it uses -------------------------------------------------------------------------
+    def _local_servers(self) -> ServerSet | None:
+        """The servers file's current set (None without one, or before it exists)."""
+        if self._servers_file is None:
+            return None
+        servers = self._servers_file.read()
+        return servers if servers.inference else None
+
+    @property
+    def endpoints(self) -> list[str]:
+        local = self._local_servers()
+        return list(local.inference) if local else self._endpoints
+
+    @endpoints.setter
+    def endpoints(self, value: Sequence[str]) -> None:
+        self._endpoints = list(value)
+
+    @property
+    def prefill_endpoints(self) -> list[str]:
+        local = self._local_servers()
+        return list(local.prefill) if local else self._prefill_endpoints
+
+    @property
+    def router_url(self) -> str | None:
+        local = self._local_servers()
+        return local.router if local else self._router_url
 
     # --- start-up -----------------------------------------------------------------------------------
     async def wait_healthy(self) -> list[str]:
@@ -469,6 +513,20 @@ class Orchestrator:
             clock.start(now)
 
     # --- generation ---------------------------------------------------------------------------------
+    def next_task_indices(self, cursor: int, count: int) -> tuple[list[int], int]:
+        """The next ``count`` training task indices from ``cursor`` and the new cursor: consecutive ones, or
+        with evaluation on those whose prompt is not held out (skips counted in
+        ``METRIC_DROPPED_PROMPTS{reason=held_out}``; :meth:`rlrun_runtime.evaluation.HeldOutTasks.training_indices`)."""
+        if self.held_out is None:
+            return list(range(cursor, cursor + count)), cursor + count
+        try:
+            indices, cursor, skipped = self.held_out.training_indices(cursor, count)
+        except EvaluationSpecError as err:  # nothing left to train on: the run cannot learn
+            raise NoLearningSignalError(str(err)) from err
+        if skipped:
+            self.metrics.dropped_prompts.labels(constants.DROPPED_PROMPT_HELD_OUT).inc(skipped)
+        return indices, cursor
+
     def _completion_url(self, engines: Sequence[str]) -> str:
         if self.router_url:
             return f"{self.router_url}/v1/completions"
@@ -599,8 +657,7 @@ class Orchestrator:
             missing_groups = plan_group_count(view.batch_size - assembled.num_samples, view.rollouts_per_prompt,
                                               1.0 if self.signal_rate is None else self.signal_rate)
             engines = await self.engines()
-            indices = list(range(cursor, cursor + missing_groups))
-            cursor += missing_groups
+            indices, cursor = self.next_task_indices(cursor, missing_groups)
             groups = await asyncio.gather(*(self.generate_group(i, engines) for i in indices))
             new = [g for g in groups if g is not None]
             requested += len(indices)
@@ -759,16 +816,26 @@ class Orchestrator:
             trainer_wait = asyncio.create_task(self.trainer_wait_loop(), name="trainer-wait")
             batches = asyncio.create_task(self.batch_loop(next_step, cursor, self.load_empty_batch_streak()),
                                           name="batches")
+            evaluation = self.evaluator.start() if self.evaluator else None  # spec.evaluation
+            tracking = asyncio.create_task(self.tracker.loop(), name="tracking") if self.tracker else None
             try:
                 await asyncio.gather(batches, weights)  # the first failure of either ends the run
+                if self.evaluator:
+                    await self.evaluator.finish()  # the final policy's evaluation
             finally:
-                for task in (weights, batches, watchdog, trainer_wait):
+                for task in (weights, batches, watchdog, trainer_wait, evaluation, tracking):
+                    if task is None:
+                        continue
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await task
+            if self.tracker:
+                await self.tracker.finish(self.view.max_steps)  # the trainer's last lines, then close
             log.info("policy version %d loaded on every engine: run complete", self.loaded_version)
             return 0
         finally:
+            if self.tracker:
+                self.tracker.close()
             if self._client is not None:
                 await self._client.aclose()
 
@@ -810,11 +877,19 @@ def main(argv: list[str]) -> int:
     model = ensure_model(view.model_name, storage)
     revision = view.model_revision if model == view.model_name else None
     tokenizer = AutoTokenizer.from_pretrained(model, revision=revision)
+    try:  # spec.evaluation's held-out tasks and spec.tracking's sinks: bad input, exit 2, before serving
+        held_out = HeldOutTasks(environment, view.evaluation.prompts) if view.evaluation else None
+        tracker = build_tracker(view.tracking, storage, run_name=env.get(constants.ENV_RUN_NAME, "").strip() or "rlrun",
+                                config=OrchestratorView.project(spec))
+    except (EvaluationSpecError, TrackingSetupError) as err:
+        raise RoleConfigError(str(err)) from err
     metrics = OrchestratorMetrics(view.max_steps)
     server, _ = metrics.serve(metrics_port, addr=env_bind_host(env))
     orchestrator = Orchestrator(view, storage, environment, tokenizer, endpoints,
                                 env.get(constants.ENV_ROUTER_URL, "").strip() or None, metrics,
-                                prefill_endpoints=prefill_endpoints)
+                                prefill_endpoints=prefill_endpoints,
+                                servers_file=env.get(constants.ENV_LOCAL_SERVERS_FILE, "").strip() or None,
+                                held_out=held_out, tracker=tracker)
     try:
         return asyncio.run(orchestrator.run())
     except NoLearningSignalError as err:

@@ -134,7 +134,7 @@ class OrchestratorMetrics:
     samples by reason (bad_logprobs, bad_token_ids, nonfinite_reward, truncated = masked by
     ``algorithm.truncation: mask``), ``METRIC_TRUNCATED_ROLLOUTS`` (completions with finish_reason "length",
     whatever the truncation policy), ``METRIC_DROPPED_PROMPTS{reason="too_long"}`` (prompts leaving no room
-    under maxModelLen), ``METRIC_SCORER_ERRORS`` (env.score raised), ``METRIC_WEIGHT_UPDATES`` (finished
+    under maxModelLen; ``reason="held_out"``: training tasks skipped because their prompt is a held-out one), ``METRIC_SCORER_ERRORS`` (env.score raised), ``METRIC_WEIGHT_UPDATES`` (finished
     per-engine weight updates: one per engine per round) and the rounds that failed.
     prometheus_client exposes every counter with a ``_total`` suffix.
     Wait counters, in seconds (read live at every scrape, so a long wait shows as it goes, not at its end):
@@ -153,6 +153,8 @@ class OrchestratorMetrics:
       at 0 with the process, like every counter); a step logged twice (trainer resumed) counts once.
 
     Histogram: per-engine weight-update latency (pause->resume) in seconds.
+    Held-out evaluation (``spec.evaluation``): gauges ``METRIC_EVAL_REWARD`` and ``METRIC_EVAL_POLICY_VERSION``
+    ``{sampling}`` (absent until the first consistent evaluation) and the counter ``METRIC_EVALUATIONS{result}``.
     """
 
     def __init__(self, max_steps: int, now: Callable[[], float] = time.monotonic):
@@ -199,6 +201,15 @@ class OrchestratorMetrics:
                                         "Seconds the trainer waited for its next batch", self.data_wait, now))
         self.weight_update_failures = Counter(constants.METRIC_WEIGHT_UPDATE_FAILURES,
                                               "Weight-update rounds that failed on some engine", registry=r)
+        # Held-out evaluation (rlrun_runtime.evaluation): labelled by spec.evaluation.sampling, so that they
+        # are absent until the first evaluation.
+        self.eval_reward = Gauge(constants.METRIC_EVAL_REWARD, "Mean reward of the last consistent held-out "
+                                 "evaluation", ["sampling"], registry=r)
+        self.eval_policy_version = Gauge(constants.METRIC_EVAL_POLICY_VERSION,
+                                         "Policy version the last consistent held-out evaluation ran on",
+                                         ["sampling"], registry=r)
+        self.evaluations = Counter(constants.METRIC_EVALUATIONS, "Held-out evaluations by result (ok, mixed, "
+                                   "failed)", ["result"], registry=r)
         self.weight_update_seconds = Histogram(constants.METRIC_WEIGHT_UPDATE_SECONDS,
                                                "Per-engine weight update latency, pause to resume",
                                                buckets=WEIGHT_UPDATE_BUCKETS_S, registry=r)

@@ -1,12 +1,14 @@
-"""Turning a batch of rollouts into padded micro-batch tensors (pure: lists in, tensors out).
+"""Turning a batch of rollouts into micro-batch tensors (pure: lists in, tensors out).
 
-Every sample gets its own row, right-padded to the longest row of its micro-batch. Several samples are never
-packed into one row: with transformers' SDPA and eager attention, ``position_ids`` resets do not stop
-attention across documents, so packing would need a block-diagonal mask per row. With one sample per row and
-a causal model, a real token only ever attends to earlier tokens of its own sample (right padding comes
-after it), so no attention crosses documents and padding cannot change any real token's logits.
+Two layouts. Packed (``algorithm.microBatchTokens`` set, :func:`get_packed_micro_batches`): the samples of a
+rank are packed first-fit-decreasing into rows of at most ``microBatchTokens`` input tokens, one row per
+micro-batch; every position carries its document index (``doc_ids``) and a position that restarts at 0 per
+document (``position_ids``), and attention is block-diagonal causal over the documents
+(:mod:`rlrun_runtime.packed_attention` builds the mask). Padded (the deprecated ``microBatchSize``,
+:func:`get_micro_batches`): every sample gets its own row, right-padded to the longest row of its
+micro-batch; with a causal model a real token then only attends to earlier tokens of its own sample.
 
-Alignment (next-token prediction): a sample is ``seq = prompt_ids + completion_ids``; its row holds
+Alignment (next-token prediction): a sample is ``seq = prompt_ids + completion_ids``; its tokens are
 ``input_ids = seq[:-1]`` and ``target_ids = seq[1:]``, so position ``t`` predicts ``seq[t + 1]``. Completion
 token ``j`` sits at target position ``len(prompt_ids) - 1 + j``; the loss mask is True exactly there.
 """
@@ -22,7 +24,7 @@ import torch
 
 @dataclass
 class MicroBatch:
-    """One forward/backward pass worth of samples, shape ``[B, T]`` for every tensor.
+    """One forward/backward pass worth of samples, shape ``[B, T]`` for every tensor (``B == 1`` when packed).
 
     Attributes:
         input_ids: int64 token ids fed to the model (padding = ``pad_id``).
@@ -33,6 +35,9 @@ class MicroBatch:
         advantages: float32, the sample's advantage where ``loss_mask``, else 0.
         on_policy_mask: bool, True on ``loss_mask`` positions of samples whose ``policy_version`` is the
             micro-batch's ``on_policy_version`` (the weights the trainer holds; metrics only).
+        position_ids: int64, the position of each token inside its own document (packed only, else None).
+        doc_ids: int64, the index of the document each position belongs to (0, 1, ... in row order; -1 on
+            the padding tail); packed only, else None. Attention is allowed exactly within equal ``doc_ids``.
     """
 
     input_ids: torch.Tensor
@@ -42,6 +47,8 @@ class MicroBatch:
     inference_logprobs: torch.Tensor
     advantages: torch.Tensor
     on_policy_mask: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    doc_ids: torch.Tensor | None = None
 
     @property
     def num_loss_tokens(self) -> int:
@@ -156,9 +163,16 @@ def get_micro_batch(samples: Sequence[dict[str, Any]], pad_id: int = 0,
                       on_policy_mask)
 
 
-def get_empty_micro_batch(pad_id: int = 0) -> MicroBatch:
-    """A ``[1, 1]`` micro-batch with no loss tokens: keeps ranks with fewer samples in step (zero loss)."""
-    one = (1, 1)
+def get_empty_micro_batch(pad_id: int = 0, packed: bool = False, width: int = 1) -> MicroBatch:
+    """A ``[1, width]`` micro-batch with no loss tokens: keeps ranks with fewer samples in step (zero loss).
+
+    ``packed``: with ``position_ids`` and ``doc_ids`` (one document) like :func:`get_packed_micro_batch`.
+    """
+    one = (1, max(1, width))
+    extra = {}
+    if packed:
+        extra = {"position_ids": torch.arange(one[1], dtype=torch.long).view(one),
+                 "doc_ids": torch.zeros(one, dtype=torch.long)}
     return MicroBatch(
         input_ids=torch.full(one, pad_id, dtype=torch.long),
         attention_mask=torch.ones(one, dtype=torch.long),
@@ -167,6 +181,7 @@ def get_empty_micro_batch(pad_id: int = 0) -> MicroBatch:
         inference_logprobs=torch.zeros(one, dtype=torch.float32),
         advantages=torch.zeros(one, dtype=torch.float32),
         on_policy_mask=torch.zeros(one, dtype=torch.bool),
+        **extra,
     )
 
 
@@ -197,4 +212,125 @@ def get_micro_batches(
            for i in range(0, len(mine), micro_batch_size)]
     while len(out) < num_micro_batches(len(samples), micro_batch_size, world_size):
         out.append(get_empty_micro_batch(pad_id))
+    return out
+
+
+def sample_input_tokens(sample: dict[str, Any]) -> int:
+    """Input positions a sample takes in a row: ``len(prompt_ids) + len(completion_ids) - 1`` (at least 1)."""
+    return max(1, len(sample["prompt_ids"]) + len(sample["completion_ids"]) - 1)
+
+
+def pack_lengths(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Group item indices into bins of at most ``token_budget`` summed length (first fit, longest first).
+
+    An item longer than the budget gets a bin of its own (it cannot be split: a document's tokens attend to
+    each other). Bins hold their indices in ascending order; the bins are ordered by their first index, so
+    the result depends only on ``lengths`` and the budget.
+
+    Raises:
+        ValueError: ``token_budget < 1``.
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(token_budget - lengths[i])
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+def get_packed_micro_batch(samples: Sequence[dict[str, Any]], pad_id: int = 0,
+                           on_policy_version: int | None = None, pad_multiple: int = 1) -> MicroBatch:
+    """Pack ``samples`` one after another into a single row (``[1, T]``), T rounded up to ``pad_multiple``.
+
+    Document ``d`` (the d-th sample) has ``doc_ids == d`` and ``position_ids`` 0, 1, ... over its tokens; the
+    padding tail (``pad_id``, attention mask 0, no loss) has ``doc_ids == -1``. The per-position tensors of a
+    document are exactly its row of :func:`get_micro_batch` (without that row's right padding).
+
+    Raises:
+        ValueError: from :func:`check_sample`, or no samples.
+    """
+    if not samples:
+        raise ValueError("a micro-batch needs at least one sample")
+    for i, s in enumerate(samples):
+        check_sample(s, i)
+    used = sum(sample_input_tokens(s) for s in samples)
+    multiple = max(1, pad_multiple)
+    width = -(-used // multiple) * multiple
+    shape = (1, width)
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    target_ids = torch.full(shape, pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(shape, dtype=torch.long)
+    loss_mask = torch.zeros(shape, dtype=torch.bool)
+    inference_logprobs = torch.zeros(shape, dtype=torch.float32)
+    advantages = torch.zeros(shape, dtype=torch.float32)
+    on_policy_mask = torch.zeros(shape, dtype=torch.bool)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    doc_ids = torch.full(shape, -1, dtype=torch.long)
+    at = 0
+    for doc, s in enumerate(samples):
+        seq = list(s["prompt_ids"]) + list(s["completion_ids"])
+        n = sample_input_tokens(s)
+        position_ids[0, at:at + n] = torch.arange(n, dtype=torch.long)
+        doc_ids[0, at:at + n] = doc
+        attention_mask[0, at:at + n] = 1
+        if len(seq) == 1:  # a one-token prompt with no completion: nothing to predict
+            input_ids[0, at] = seq[0]
+        else:
+            input_ids[0, at:at + n] = torch.tensor(seq[:-1], dtype=torch.long)
+            target_ids[0, at:at + n] = torch.tensor(seq[1:], dtype=torch.long)
+            start = at + len(s["prompt_ids"]) - 1
+            end = start + len(s["completion_ids"])
+            loss_mask[0, start:end] = True
+            inference_logprobs[0, start:end] = torch.tensor(s["inference_logprobs"], dtype=torch.float32)
+            advantages[0, start:end] = float(s["advantage"])
+            on_policy_mask[0, start:end] = is_on_policy(s, on_policy_version)
+        at += n
+    return MicroBatch(input_ids, attention_mask, target_ids, loss_mask, inference_logprobs, advantages,
+                      on_policy_mask, position_ids, doc_ids)
+
+
+def get_packed_micro_batches(
+    samples: Sequence[dict[str, Any]],
+    token_budget: int,
+    rank: int = 0,
+    world_size: int = 1,
+    pad_id: int = 0,
+    on_policy_version: int | None = None,
+    pad_multiple: int = 1,
+) -> list[MicroBatch]:
+    """This rank's packed micro-batches of a step: its strided share packed by :func:`pack_lengths` into
+    rows of at most ``token_budget`` input tokens (a longer sample gets a row of its own), one row each.
+
+    Every rank runs the same number of micro-batches (the most any rank's share packs into; every rank
+    computes all shares from the same batch), filled up with :func:`get_empty_micro_batch`. Rows are padded to
+    a multiple of ``pad_multiple`` (fewer distinct shapes for compiled kernels).
+
+    Raises:
+        ValueError: ``token_budget < 1``, a bad rank, or a bad sample.
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world size {world_size}")
+    counts = []
+    mine: list[list[int]] = []
+    for r in range(world_size):
+        share = get_rank_samples(samples, r, world_size)
+        bins = pack_lengths([sample_input_tokens(s) for s in share], token_budget)
+        counts.append(len(bins))
+        if r == rank:
+            mine, rank_share = bins, share
+    out = [get_packed_micro_batch([rank_share[i] for i in b], pad_id, on_policy_version, pad_multiple)
+           for b in mine]
+    while len(out) < max(1, max(counts)):
+        out.append(get_empty_micro_batch(pad_id, packed=True, width=pad_multiple))
     return out

@@ -3,8 +3,10 @@
 One code path for CPU and GPU and for any number of ranks: torch.distributed (gloo on CPU, nccl on GPU) and
 FSDP2 (``torch.distributed.fsdp.fully_shard``) are always used, a world of one included. Per step n
 (1-based): wait for ``rollouts/step-n.json``, run this rank's micro-batches (strided share of the batch,
-``microBatchSize`` samples each) through the loss of :mod:`rlrun_runtime.loss`, clip, AdamW step, LR
-schedule step, publish ``weights/step-n`` (policy version n; rank 0 writes the gathered full state dict),
+packed into rows of ``microBatchTokens`` tokens, or the deprecated ``microBatchSize`` padded samples each;
+:mod:`rlrun_runtime.packing`) through the loss of :mod:`rlrun_runtime.loss` (logprobs from
+:mod:`rlrun_runtime.logprobs`, no full-vocabulary logits), clip, AdamW step, LR schedule step, publish
+``weights/step-n`` (policy version n; rank 0 writes the gathered full state dict),
 append a line to ``metrics.jsonl``, and every ``checkpoint.intervalSteps`` steps and after the last one write
 a checkpoint (:mod:`rlrun_runtime.checkpoint`). On start it resumes from the latest complete checkpoint.
 
@@ -29,13 +31,15 @@ import torch
 import torch.distributed as dist
 
 from rlrun_api import constants as c
-from rlrun_api.validation import check_trainer_implemented
+from rlrun_api.validation import check_trainer_implemented, get_trainer_deprecations
 from rlrun_api.views import TrainerView
 from rlrun_runtime.role import RoleConfigError, env_bind_host, env_port, env_required, load_spec, role_main
 
 from . import checkpoint as ckpt
-from .loss import LossMetrics, policy_loss, token_logprobs
-from .packing import MicroBatch, count_loss_tokens, count_on_policy_tokens, get_micro_batches
+from .logprobs import LogprobHead, install_logprob_head
+from .loss import LossMetrics, policy_loss_on_device, token_logprobs
+from .packed_attention import FLEX_ATTENTION, get_model_inputs
+from .packing import MicroBatch, count_loss_tokens, count_on_policy_tokens, get_micro_batches, get_packed_micro_batches
 from .storage import RunStorage, append_jsonl
 from .weights import WeightTransport, get_transport
 
@@ -43,6 +47,9 @@ from .weights import WeightTransport, get_transport
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".ckpt", ".index.json")
 BATCH_POLL_SECONDS = 0.05
 DISTRIBUTED_TIMEOUT = datetime.timedelta(minutes=30)
+# Packed rows on GPU are padded to a multiple of this many tokens: FlexAttention's kernel is compiled per row
+# length, so this bounds the number of distinct lengths (microBatchTokens / 1024 at most).
+GPU_ROW_MULTIPLE = 1024
 
 
 def get_unsupported_fields(cfg: TrainerView, world_size: int) -> list[str]:
@@ -88,19 +95,68 @@ def get_torch_dtype(name: str, model_config: Any = None) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
+def get_micro_batch_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float,
+                             device: torch.device) -> torch.Tensor:
+    """Trainer logprobs ``[B, T]`` (float32, on ``device``) of ``mb``'s target tokens; 0 off the loss mask
+    when the model has a :class:`rlrun_runtime.logprobs.LogprobHead`.
+
+    ``log_softmax(logits.float() / temperature)`` of the target tokens (vLLM's processed logprobs,
+    docs/runtime-contract.md). With a ``LogprobHead`` as ``lm_head`` they are computed for the loss positions
+    only, chunk by chunk; otherwise from the full logits (``token_logprobs``). Packed micro-batches attend
+    within their documents only (:func:`rlrun_runtime.packed_attention.get_model_inputs`).
+    """
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
+    inputs = get_model_inputs(mb, device, attn)
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, LogprobHead):
+        return token_logprobs(model(**inputs).logits, mb.target_ids.to(device), temperature)
+    positions = mb.loss_mask.reshape(-1).nonzero().squeeze(1)
+    targets = mb.target_ids.reshape(-1).index_select(0, positions)
+    positions = positions.to(device, non_blocking=True)
+    head.request = (positions, targets.to(device, non_blocking=True), temperature)
+    try:
+        picked = model(**inputs).logits
+    finally:
+        head.request = None
+    flat = torch.zeros(mb.loss_mask.numel(), dtype=torch.float32, device=device)
+    return flat.index_copy(0, positions, picked).view(mb.loss_mask.shape)
+
+
+def get_micro_batch_loss_on_device(model: torch.nn.Module, mb: MicroBatch, total_loss_tokens: int,
+                                   cfg: TrainerView, device: torch.device,
+                                   total_on_policy_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward one micro-batch (:func:`get_micro_batch_logprobs`); return ``policy_loss_on_device`` (loss
+    normalised by the step's ``total_loss_tokens``, the metrics as a float64 device tensor; nothing is read
+    back to the host).
+
+    Raises:
+        ValueError: on-policy tokens in ``mb`` while ``total_on_policy_tokens < 1`` (checked on the host copy).
+    """
+    if total_on_policy_tokens < 1 and bool((mb.on_policy_mask & mb.loss_mask).any()):
+        raise ValueError("on-policy tokens in the micro-batch but total_on_policy_tokens < 1; pass the step's "
+                         "on-policy token count")
+    logprobs = get_micro_batch_logprobs(model, mb, cfg.temperature, device)
+    return policy_loss_on_device(logprobs, mb.inference_logprobs.to(device), mb.advantages.to(device),
+                                 mb.loss_mask.to(device), total_loss_tokens, cfg.ratio_low, cfg.ratio_high,
+                                 cfg.kl_coef, mb.on_policy_mask.to(device), total_on_policy_tokens)
+
+
 def get_micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, total_loss_tokens: int, cfg: TrainerView,
                          device: torch.device, total_on_policy_tokens: int = 0) -> tuple[torch.Tensor, LossMetrics]:
-    """Forward one micro-batch and return ``policy_loss`` (normalised by the step's ``total_loss_tokens``;
-    ``mismatch_kl_on_policy`` by the step's ``total_on_policy_tokens``).
+    """:func:`get_micro_batch_loss_on_device` with the metrics read back as :class:`LossMetrics` (one sync)."""
+    loss, sums = get_micro_batch_loss_on_device(model, mb, total_loss_tokens, cfg, device, total_on_policy_tokens)
+    return loss, LossMetrics.from_tensor(sums.cpu())
 
-    Logprobs are ``log_softmax(logits / temperature)`` of the target tokens (matching vLLM's processed
-    logprobs, docs/runtime-contract.md).
-    """
-    logits = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device)).logits
-    logprobs = token_logprobs(logits, mb.target_ids.to(device), cfg.temperature)
-    return policy_loss(logprobs, mb.inference_logprobs.to(device), mb.advantages.to(device),
-                       mb.loss_mask.to(device), total_loss_tokens, cfg.ratio_low, cfg.ratio_high, cfg.kl_coef,
-                       mb.on_policy_mask.to(device), total_on_policy_tokens)
+
+def get_step_micro_batches(samples: list[dict[str, Any]], cfg: TrainerView, rank: int, world: int, pad_id: int,
+                           on_policy_version: int | None, device: torch.device) -> list[MicroBatch]:
+    """This rank's micro-batches of a step: packed rows of ``cfg.micro_batch_tokens`` tokens (padded to a
+    multiple of :data:`GPU_ROW_MULTIPLE` on GPU), or the deprecated ``microBatchSize`` padded samples."""
+    if cfg.micro_batch_tokens:
+        multiple = GPU_ROW_MULTIPLE if device.type == "cuda" else 1
+        return get_packed_micro_batches(samples, cfg.micro_batch_tokens, rank, world, pad_id, on_policy_version,
+                                        pad_multiple=multiple)
+    return get_micro_batches(samples, cfg.micro_batch_size, rank, world, pad_id, on_policy_version=on_policy_version)
 
 
 def get_metrics_record(step: int, batch: dict[str, Any], loss: float, metrics: LossMetrics, grad_norm: float,
@@ -314,55 +370,102 @@ def init_distributed(use_gpu: bool) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def build_model(model_path: str, cfg: TrainerView, device: torch.device, revision: str | None) -> Any:
+def get_attn_implementation(cfg: TrainerView, device: torch.device) -> str:
+    """transformers' attention for the trainer: FlexAttention for packed rows on GPU (document block masks),
+    else SDPA (an explicit block-diagonal mask for packed rows on CPU)."""
+    return FLEX_ATTENTION if cfg.micro_batch_tokens and device.type == "cuda" else "sdpa"
+
+
+def build_model(model_path: str, cfg: TrainerView, device: torch.device, revision: str | None,
+                compile_layers: bool = False, checkpoint_layers: bool = False) -> Any:
     """Load the HF causal LM in float32 (master weights) and shard it with FSDP2.
 
     Each decoder layer is its own FSDP unit, then the root. With a bf16/fp16 ``spec.model.dtype`` the
-    forward and backward run in that dtype (``MixedPrecisionPolicy``, gradients reduced in float32), so the
-    trainer's logprobs come from the same precision vLLM serves with.
+    forward and backward run in that dtype (``MixedPrecisionPolicy`` over float32 shards, gradients reduced
+    in float32), so the trainer's logprobs come from the same precision vLLM serves with while the float32
+    master weights still hold updates far below bf16's resolution. The LM head is replaced by a
+    :class:`rlrun_runtime.logprobs.LogprobHead` (same weight and state-dict key). ``compile_layers``
+    compiles each decoder layer's forward with ``torch.compile`` (and the LM head's chunk arithmetic);
+    ``checkpoint_layers`` recomputes each decoder layer's activations in the backward (non-reentrant
+    activation checkpointing). Neither is a spec field yet; the benchmark uses them.
 
     Raises:
         RoleConfigError: transformers cannot load ``model_path``.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
+    attn = get_attn_implementation(cfg, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, revision=revision,
-                                                     attn_implementation="sdpa")
+                                                     attn_implementation=attn)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RoleConfigError(f"spec.model.name: cannot load {model_path!r} ({first}); name an HF model directory, "
                          "a reachable HF model id or rlrun-tiny") from None
+    return shard_model(model, cfg, device, compile_layers, checkpoint_layers)
+
+
+def shard_model(model: Any, cfg: TrainerView, device: torch.device, compile_layers: bool = False,
+                checkpoint_layers: bool = False) -> Any:
+    """The part of :func:`build_model` after loading: device, LogprobHead, optional per-layer compile and
+    activation checkpointing, FSDP2 (parameters stay gathered between forward and backward at world size 1,
+    where resharding would only copy them again)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     model.to(device)
+    model.config.use_cache = False  # training never decodes; a cache also makes compiled layers recompile
+    install_logprob_head(model, compiled=compile_layers)
     compute = get_torch_dtype(cfg.dtype, model.config)
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
     layers = getattr(getattr(model, "model", None), "layers", None) or []
+    if compile_layers or model.config._attn_implementation == FLEX_ATTENTION:
+        from torch import _dynamo
+
+        # One compiled kernel per packed row length (GPU_ROW_MULTIPLE steps up to microBatchTokens).
+        budget = (cfg.micro_batch_tokens or 0) // GPU_ROW_MULTIPLE + 8
+        _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, budget)
+    reshard = dist.get_world_size() > 1 if dist.is_initialized() else True
     for layer in layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        if compile_layers:
+            layer.forward = torch.compile(layer.forward, dynamic=False)
+        if checkpoint_layers:
+            layer.forward = _checkpointed(layer.forward)
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
     model.train()
     return model
+
+
+def _checkpointed(forward: Any) -> Any:
+    """``forward`` under non-reentrant activation checkpointing (its activations recomputed in backward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
 
 
 class Trainer:
     """One rank of the trainer: model, optimizer, schedule, and the step loop (see the module docstring)."""
 
     def __init__(self, cfg: TrainerView, storage: RunStorage, model_path: str, rank: int, world: int,
-                 device: torch.device):
+                 device: torch.device, compile_layers: bool = False, checkpoint_layers: bool = False):
         self.cfg = cfg
         self.storage, self.rank, self.world, self.device = storage, rank, world, device
         self.transport = get_transport(self.cfg.weight_transport, storage)
         self.revision = self.cfg.model_revision
-        self.model = build_model(model_path, self.cfg, device, self.revision)
+        self.model = build_model(model_path, self.cfg, device, self.revision, compile_layers, checkpoint_layers)
         config = self.model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.tied = bool(getattr(text_config, "tie_word_embeddings", False))
         self.publish_dtype = get_torch_dtype(self.cfg.dtype, config)
         pad = getattr(text_config, "pad_token_id", None)
         self.pad_id = pad if isinstance(pad, int) else 0
+        # Fused AdamW on CUDA (one kernel over all parameters); the default foreach implementation on CPU.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.learning_rate,
-                                           weight_decay=self.cfg.weight_decay)
+                                           weight_decay=self.cfg.weight_decay,
+                                           fused=True if device.type == "cuda" else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda done: get_lr_factor(done + 1, self.cfg.lr_schedule, self.cfg.lr_warmup_steps, self.cfg.max_steps))
@@ -406,31 +509,30 @@ class Trainer:
         total = max(1, count_loss_tokens(samples))
         # The weights this step's forward runs with are policy version step - 1.
         total_on_policy = count_on_policy_tokens(samples, step - 1)
-        micro_batches = get_micro_batches(samples, self.cfg.micro_batch_size, self.rank, self.world, self.pad_id,
-                                          on_policy_version=step - 1)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        metrics = LossMetrics()
+        micro_batches = get_step_micro_batches(samples, self.cfg, self.rank, self.world, self.pad_id, step - 1,
+                                               self.device)
+        # Loss and metrics stay on the device until the one read-back at the end of the step.
+        sums = torch.zeros(8, dtype=torch.float64, device=self.device)  # loss, 6 metrics, real tokens
         num_tokens = 0
         for i, mb in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            loss, mb_metrics = get_micro_batch_loss(self.model, mb, total, self.cfg, self.device, total_on_policy)
+            loss, mb_metrics = get_micro_batch_loss_on_device(self.model, mb, total, self.cfg, self.device,
+                                                              total_on_policy)
             # FSDP2 averages gradients over ranks; the loss is a sum over ranks, so undo the division.
             (loss * self.world).backward()
-            loss_sum += loss.detach().double().cpu()
-            metrics = metrics + mb_metrics
-            num_tokens += mb.num_tokens if mb.num_loss_tokens else 0
+            sums[0] += loss.detach().double()
+            sums[1:7] += mb_metrics
+            num_tokens += mb.num_tokens if mb.num_loss_tokens else 0  # host tensors: no device sync
+        sums[7] = float(num_tokens)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        summed = torch.cat([loss_sum.view(1), metrics.as_tensor(), torch.tensor([float(num_tokens)],
-                                                                                dtype=torch.float64)])
-        summed = summed.to(self.device)
-        dist.all_reduce(summed)
-        summed = summed.cpu()
-        return (float(summed[0]), LossMetrics.from_tensor(summed[1:-1]), float(grad_norm), int(summed[-1]),
+        dist.all_reduce(sums)
+        summed = torch.cat([sums, grad_norm.detach().double().view(1)]).cpu()  # the step's one read-back
+        return (float(summed[0]), LossMetrics.from_tensor(summed[1:7]), float(summed[8]), int(summed[7]),
                 count_loss_tokens(samples), lr)
 
     def run(self, metrics_port: int | None) -> int:
@@ -446,6 +548,8 @@ class Trainer:
         start = self.resume()
         if self.rank == 0:
             print(f"trainer: world {self.world} on {self.device}, steps {start}..{self.cfg.max_steps}", flush=True)
+            for note in get_trainer_deprecations(self.cfg):
+                print(f"trainer: {note}", flush=True)
         for step in range(start, self.cfg.max_steps + 1):
             batch, waited = wait_for_batch(self.storage, step)
             t0 = time.monotonic()

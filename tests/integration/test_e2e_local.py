@@ -26,8 +26,12 @@ from rlrun_runtime.storage import RunStorage, list_steps
 # bounds are in tests/support/local_runs.py): half of what the 3-seed benchmark measured (benchmarks/README.md),
 # far from the run-to-run noise, and counted per step, not per second, so a slow or loaded machine does not
 # change the verdict.
-REWARD_MARGIN = 0.12           # last fifth beats the first fifth by this much (measured +0.25..+0.26 at 110 steps)
-EXACT_MATCH_LAST_FIFTH = 0.25  # exact reversals among the last fifth's rollouts (measured 45-48 % at 110 steps)
+# Measured on 2026-12-01 at learning rate 1e-3, five runs (seeds 0, 0, 0, 1, 2) two at a time on a machine loaded
+# to 4-22 by other jobs: gain +0.269..+0.308 (mean +0.294), exact reversals 75-90 % (mean 86 %). The one failure
+# mode seen (at the former 2e-3) settles on fixed-length answers: gain about +0.15 but 0-1 % exact, which the
+# exact-match bound catches with a wide gap.
+REWARD_MARGIN = 0.15           # last fifth beats the first fifth by this much (about half the mean gain)
+EXACT_MATCH_LAST_FIFTH = 0.40  # exact reversals among the last fifth's rollouts (about half the mean rate)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.router, pytest.mark.e2e]  # rlrun local starts vllm-router too
 

@@ -160,29 +160,50 @@ def test_cli_bad_input_has_no_traceback(tiny_example, tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_roles_die_with_a_killed_supervisor(tmp_path):
-    """Even a SIGKILLed `rlrun local` leaves no role behind (PR_SET_PDEATHSIG on every role)."""
+@pytest.mark.parametrize("role", ["obedient", "stubborn"])
+def test_roles_die_with_a_killed_supervisor(tmp_path, role):
+    """Even a SIGKILLed `rlrun local` leaves no role behind: the kernel sends each role SIGTERM
+    (PR_SET_PDEATHSIG) and the watchdog SIGKILLs a role that ignores it once the grace period is over."""
+    code = "import time; time.sleep(600)" if role == "obedient" else STUBBORN
     script = textwrap.dedent(f"""
         import os, sys, time
         from pathlib import Path
         from rlrun_runtime.local.plan import ProcessSpec
         from rlrun_runtime.local.processes import Supervisor
-        spec = ProcessSpec("s-0", "", "Deployment", (sys.executable, "-c", "import time; time.sleep(600)"),
+        spec = ProcessSpec("s-0", "", "Deployment", (sys.executable, "-c", {code!r}),
                            dict(os.environ), Path({str(tmp_path / 's-0.log')!r}))
-        supervisor = Supervisor([spec])
+        supervisor = Supervisor([spec], grace_seconds=1.0)
         supervisor.start()
-        print(supervisor.pids["s-0"], flush=True)
+        print(supervisor.pids["s-0"], supervisor._watchdog.pid, flush=True)
         time.sleep(600)
     """)
     parent = subprocess.Popen([PY, "-c", script], stdout=subprocess.PIPE, text=True)
-    child = int(parent.stdout.readline())
-    assert _live([child]) == [child]
+    child, watchdog = map(int, parent.stdout.readline().split())
+    deadline = time.monotonic() + 20
+    while (role == "stubborn" and "up" not in (tmp_path / "s-0.log").read_text().splitlines()
+           and time.monotonic() < deadline):
+        time.sleep(0.1)  # SIGTERM is ignored only once the role installed its handler
+    assert _live([child, watchdog]) == sorted([child, watchdog])
     parent.kill()
     parent.wait()
-    deadline = time.monotonic() + 10
-    while _live([child]) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 20
+    while _live([child, watchdog]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _live([child]) == []
+    assert _live([child, watchdog]) == []
+    if role == "stubborn":
+        assert f"SIGKILLed [{child}]" in (tmp_path / "watchdog.log").read_text()
+
+
+@pytest.mark.timeout(30)
+def test_watchdog_exits_after_a_clean_stop(tmp_path):
+    supervisor = Supervisor([_spec(tmp_path, "s-0", "Deployment", "import time; time.sleep(600)")],
+                            grace_seconds=1.0, poll_seconds=0.1)
+    supervisor.start()
+    watchdog = supervisor._watchdog
+    _wait_for_children(supervisor, 1)
+    supervisor.stop()
+    assert watchdog.returncode == 0 and supervisor._watchdog is None
+    assert "SIGKILLed" not in (tmp_path / "watchdog.log").read_text()
 
 
 def test_gpu_example_exits_2_naming_the_fields(tmp_path):

@@ -251,6 +251,8 @@ def test_prometheus_evaluates_every_dashboard_and_alert_expression(tmp_path: Pat
     run_file = tmp_path / "rlrun.yaml"
     tiny = yaml.safe_load(TINY.read_text())
     tiny["spec"]["algorithm"]["maxSteps"] = 40  # more than the test waits for: it stops the run itself
+    # held-out evaluation on, for the dashboard's evaluation panel: policy version 0 is evaluated at the start
+    tiny["spec"]["evaluation"] = {"everySteps": 10, "prompts": 8}
     run_file.write_text(yaml.safe_dump(tiny, sort_keys=False))
     run_log = (tmp_path / "rlrun-local.log").open("w")
     local = subprocess.Popen(RLRUN + ["local", str(run_file), "--output-dir", str(out_dir)], stdout=run_log,
@@ -379,6 +381,13 @@ def test_prometheus_evaluates_every_dashboard_and_alert_expression(tmp_path: Pat
         latency = [float(series["value"][1]) for where, result in seen.items() if "Weight-update latency" in where
                    for series in result]
         assert latency and not any(math.isnan(v) for v in latency), latency
+        # the evaluation panel shows one of the real run's evaluations (eval.jsonl; the first is of version 0
+        # unless a weight update overlapped it, then of the version loaded after it)
+        evals = [json.loads(line) for line in (out_dir / constants.EVAL_FILE_NAME).read_text().splitlines()]
+        assert evals and all(e["prompts"] == 8 for e in evals)
+        panel = [float(series["value"][1]) for where, result in seen.items() if "Held-out evaluation" in where
+                 for series in result]
+        assert panel and any(e["consistent"] and abs(e["reward_mean"] - panel[0]) < 1e-9 for e in evals), (panel, evals)
     finally:
         for proc in procs:
             try:

@@ -106,23 +106,34 @@ def test_pushed_weights_serve_like_a_fresh_server_from_the_same_checkpoint(setup
 @pytest.mark.vllm
 @pytest.mark.router
 @pytest.mark.e2e
-@pytest.mark.timeout(480)
-def test_rlrun_local_runs_with_the_gloo_transport(tmp_path):
-    """A whole 2-step `rlrun local` run of the tiny example with weightSync.transport gloo: it succeeds, the
-    engine ends on version 2, and every version the orchestrator loaded was pushed from the trainer's memory
-    (none read from the storage instead)."""
+@pytest.mark.timeout(600)
+def test_rlrun_local_runs_with_the_gloo_transport_and_corrupts_nothing(tmp_path):
+    """A whole 10-step `rlrun local` run of the tiny example with weightSync.transport gloo and a learning
+    rate of 1e-30 (the CRD refuses 0; an AdamW step of ~1e-30 is below float32's resolution of the weights, so
+    every version holds the same weights): it succeeds, every version the orchestrator loaded was pushed from
+    the trainer's memory (none read from the storage instead), and the trainer/inference mismatch KL stays at
+    float32 rounding, as at step 1: the pushes corrupt nothing."""
+    steps = 10
     out_dir = tmp_path / "out"
-    proc = run_local(write_run(tmp_path, **{"algorithm.maxSteps": 2, "weightSync.transport": "gloo"}), out_dir,
-                     timeout=450)
+    proc = run_local(write_run(tmp_path, **{"algorithm.maxSteps": steps, "algorithm.learningRate": 1e-30,
+                                            "algorithm.lrWarmupSteps": 0, "weightSync.transport": "gloo"}),
+                     out_dir, timeout=570)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert [r["step"] for r in read_jsonl(out_dir / "metrics.jsonl")] == [1, 2]
+    rows = read_jsonl(out_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     versions = [r["version"] for r in read_jsonl(out_dir / "orchestrator" / "weight-updates.jsonl")]
-    assert versions[-1] == 2  # version 1 may be skipped when both are published by the time it looks
+    assert versions[-1] == steps and len(versions) >= steps // 2  # a version may be skipped when two are ready
     trainer_log = next((out_dir / "logs").glob("*trainer-0.log")).read_text()
     for version in versions:
         assert f"trainer: pushed version {version} to http://127.0.0.1:" in trainer_log
     orchestrator_log = next((out_dir / "logs").glob("*orchestrator.log")).read_text()
     assert "instead of pushed" not in orchestrator_log
+    kls = [r["mismatch_kl"] for r in rows]
+    assert max(kls) < 1e-6, kls
+    # the issue's "step 10 within 1.1x of step 1"; both are float32 rounding noise, hence the 1e-8 floor
+    assert kls[-1] <= max(1.1 * kls[0], 1e-8), kls
+    # the rollouts of late steps came from pushed versions, so the pushed weights were really used
+    assert rows[-1]["min_sample_policy_version"] >= 1, rows[-1]
 
 
 @pytest.mark.vllm

@@ -1,7 +1,7 @@
 """The trainer as real processes (torchrun on CPU, gloo, FSDP2) on a tiny random Qwen3 with synthetic batches:
 weights published per step and loadable by transformers, metrics lines and Prometheus gauges, checkpoints,
 SIGKILL mid-run and resume with no lost or repeated step (and the same final weights as an uninterrupted run
-on two ranks),
+on two ranks), with packed micro-batches (algorithm.microBatchTokens),
 bad input exits 2 (the pure parts are in tests/unit/test_trainer_role.py)."""
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def _write_config(tmp: Path, model: str) -> Path:
         "spec": {
             "model": {"name": model, "dtype": "float32"},
             "environment": {"type": "builtin", "name": "reverse-words"},
-            "algorithm": {"rolloutsPerPrompt": 4, "batchSize": 8, "microBatchSize": 3, "maxSteps": MAX_STEPS,
+            # packed rows of at most 24 tokens (the samples take 4-11 each): several rows per step and rank
+            "algorithm": {"rolloutsPerPrompt": 4, "batchSize": 8, "microBatchTokens": 24, "maxSteps": MAX_STEPS,
                           "learningRate": 1e-3, "lrSchedule": "cosine", "lrWarmupSteps": 1,
                           "loss": {"klCoef": 0.01}},
             "trainer": {"gpusPerNode": 0, "checkpoint": {"intervalSteps": 2, "keep": 2}},
@@ -74,7 +75,7 @@ def _steps(storage: RunStorage) -> list[int]:
     return [json.loads(line)["step"] for line in storage.metrics_file.read_text().splitlines()]
 
 
-def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if proc.poll() is not None:
@@ -84,7 +85,7 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def _finish(proc: subprocess.Popen, timeout: float = 60.0) -> str:
+def _finish(proc: subprocess.Popen, timeout: float = 180.0) -> str:  # generous: the machine may be loaded
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -95,7 +96,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 60.0) -> str:
     return out
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_trainer_publishes_checkpoints_and_resumes_after_sigkill(tmp_path):
     model_dir = save_model_dir(tmp_path / "model")
     config = _write_config(tmp_path, str(model_dir))
@@ -142,6 +143,7 @@ def test_trainer_publishes_checkpoints_and_resumes_after_sigkill(tmp_path):
         _write_batch(storage, step)
     out = _finish(_start(config, storage))
     assert f"steps 3..{MAX_STEPS}" in out
+    assert "deprecated" not in out  # microBatchTokens is set: microBatchSize is not read
     assert _steps(storage) == [1, 2, 3, 4, 5]
     assert find_latest_checkpoint(storage) == 5
     assert sorted(p.name for p in storage.checkpoints_dir.iterdir()) == ["step-000004", "step-000005"]
@@ -180,8 +182,13 @@ def test_trainer_publishes_checkpoints_and_resumes_after_sigkill(tmp_path):
     resumed = load_file(storage.weights(MAX_STEPS) / "model.safetensors")
     straight = load_file(ref.weights(MAX_STEPS) / "model.safetensors")
     assert resumed.keys() == straight.keys()
+    # atol 1e-4 against updates of up to ~4e-3 per element: Adam divides by sqrt(v) + 1e-8, so float-order noise
+    # in near-zero gradients shows up as ~1e-5 weight differences (measured in-process for these 5 steps:
+    # 1.5e-5 with padded micro-batches of 3, 3.4e-5 packed at 24 tokens; gradients themselves agree to 2e-6,
+    # tests/unit/test_loss.py). A wrong rank split or packing bug moves weights by ~1e-3.
     for key in resumed:
-        torch.testing.assert_close(resumed[key], straight[key], atol=2e-5, rtol=1e-4, msg=key)
+        torch.testing.assert_close(resumed[key], straight[key], atol=1e-4, rtol=1e-4,
+                                   msg=lambda detail, key=key: f"{key}: {detail}")
     assert [r["loss"] for r in records] == pytest.approx(
         [json.loads(line)["loss"] for line in ref.metrics_file.read_text().splitlines()], abs=1e-6)
 

@@ -116,6 +116,8 @@ def repair(run_spec: dict[str, Any]) -> dict[str, Any]:
     if alg["loss"]["ratioHigh"] <= 1:
         alg["loss"]["ratioHigh"] = 2.0
     out["model"]["maxModelLen"] = max(out["model"]["maxModelLen"], alg["sampling"]["maxTokens"] + 1)
+    if "maxTokens" in (out.get("evaluation") or {}):
+        out["model"]["maxModelLen"] = max(out["model"]["maxModelLen"], out["evaluation"]["maxTokens"] + 1)
     trainer = out["trainer"]
     trainer.update(quantization="none", parallelism={"fsdp": -1, "ep": 1, "cp": 1})
     trainer["lora"]["rank"] = 0

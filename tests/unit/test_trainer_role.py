@@ -1,5 +1,6 @@
-"""The trainer role's pure parts: the LR schedules, the metrics log cut back to a checkpoint on resume, and
-the refusal of spec fields the trainer does not implement."""
+"""The trainer role's pure parts: the LR schedules, the metrics log cut back to a checkpoint on resume, the
+refusal of spec fields the trainer does not implement, microBatchTokens and the microBatchSize deprecation;
+and one real Trainer step at learning rate 1e-6 under bf16 compute."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from rlrun_api.spec import apply_defaults
 from rlrun_api.views import TrainerView
 from rlrun_runtime.checkpoint import truncate_metrics
+from rlrun_api.validation import get_trainer_deprecations
 from rlrun_runtime.trainer import get_lr_factor, get_unsupported_fields
 
 
@@ -38,3 +40,57 @@ def test_unimplemented_spec_fields_are_refused():
     found = get_unsupported_fields(spec(lora={"rank": 8}, quantization="fp8", parallelism={"cp": 2, "fsdp": 4}), 2)
     assert [f.split(":")[0] for f in found] == ["spec.trainer.lora.rank", "spec.trainer.quantization",
                                                 "spec.trainer.parallelism.cp", "spec.trainer.parallelism.fsdp"]
+
+
+def test_micro_batch_tokens_is_read_and_micro_batch_size_is_deprecated():
+    def view(**alg):
+        return TrainerView.from_spec(apply_defaults({"spec": {
+            "model": {"name": "m"}, "environment": {"type": "builtin", "name": "x"}, "algorithm": alg}})["spec"])
+
+    old = view(microBatchSize=4)
+    assert old.micro_batch_tokens is None and old.micro_batch_size == 4
+    [note] = get_trainer_deprecations(old)
+    assert "spec.algorithm.microBatchSize" in note and "spec.algorithm.microBatchTokens" in note
+    new = view(microBatchTokens=4096)
+    assert new.micro_batch_tokens == 4096 and get_trainer_deprecations(new) == []
+
+
+@pytest.mark.timeout(180)
+def test_one_step_of_1e_6_changes_the_float32_master_weights_under_bf16_compute(tmp_path, monkeypatch):
+    """A real Trainer (FSDP2 over gloo, a world of one, packed micro-batches) with bfloat16 compute and
+    learning rate 1e-6: one optimizer step moves the float32 master weights by about 1e-6 (Adam's first step),
+    a change that bf16 weights could not hold (cast to bf16, most values are the same as before)."""
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    from rlrun_runtime.storage import RunStorage
+    from rlrun_runtime.trainer import Trainer, init_distributed
+    from tiny_qwen3 import VOCAB, save_model_dir
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    model_dir = save_model_dir(tmp_path / "model", seed=4)
+    cfg = TrainerView.from_spec(apply_defaults({"spec": {
+        "model": {"name": str(model_dir), "dtype": "bfloat16"}, "environment": {"type": "builtin", "name": "x"},
+        "algorithm": {"learningRate": 1e-6, "lrWarmupSteps": 0, "microBatchTokens": 32, "weightDecay": 0.0}}})["spec"])
+    rng = random.Random(0)
+    samples = [{"prompt_ids": [rng.randrange(2, VOCAB) for _ in range(4)],
+                "completion_ids": [rng.randrange(2, VOCAB) for _ in range(6)],
+                "inference_logprobs": [-4.2] * 6, "advantage": a, "policy_version": 0} for a in (1.0, -1.0, 0.5)]
+    _, _, device = init_distributed(False)
+    try:
+        trainer = Trainer(cfg, RunStorage(tmp_path / "storage"), str(model_dir), 0, 1, device)
+        before = {n: p.detach().full_tensor().clone() for n, p in trainer.model.named_parameters()}
+        assert all(p.dtype == torch.float32 for p in before.values())
+        loss, metrics, grad_norm, num_tokens, loss_tokens, lr = trainer.train_step(1, {"samples": samples})
+        assert lr == pytest.approx(1e-6) and grad_norm > 0 and num_tokens == 3 * 9 and loss_tokens == 18
+        for name, value in ((n, p.detach().full_tensor()) for n, p in trainer.model.named_parameters()):
+            assert value.dtype == torch.float32
+            assert (value - before[name]).abs().max().item() == pytest.approx(1e-6, rel=0.2), name
+            assert (value != before[name]).float().mean() > 0.5, name
+            sizable = before[name].abs() > 1e-2  # bf16's spacing there is >= 6e-5, far above 1e-6
+            assert (value.bfloat16() == before[name].bfloat16())[sizable].float().mean() > 0.95, name
+    finally:
+        dist.destroy_process_group()

@@ -202,8 +202,9 @@ def test_status_is_not_user_input_but_check_schema_covers_it(tiny_example) -> No
     assert validate(mutate(tiny_example, odd_status)) == []
     errors = validation.check_schema(spec.apply_defaults(mutate(tiny_example, odd_status)))
     assert [(e.path, e.message) for e in errors] == [
-        ("status.kopf", "unknown field; remove it; known fields: completionTime, conditions, lastReward, "
-                        "observedGeneration, phase, policyVersion, replicas, scalingHistory, startTime, step"),
+        ("status.kopf", "unknown field; remove it; known fields: completionTime, conditions, "
+                        "lastEvalPolicyVersion, lastEvalReward, lastReward, observedGeneration, phase, "
+                        "policyVersion, replicas, scalingHistory, startTime, step"),
         ("status.phase", "'Dancing' is not allowed; use one of: Pending, Initializing, Running, Suspended, "
                          "Succeeded, Failed"),
         ("status.startTime", "'yesterday' is not a date-time; write e.g. 2026-01-02T03:04:05Z"),

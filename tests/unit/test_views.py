@@ -32,7 +32,7 @@ def test_every_view_builds_from_every_example(name, view):
 def test_values_of_the_tiny_example():
     spec = spec_of("tiny")
     trainer = TrainerView.from_spec(spec)
-    assert (trainer.learning_rate, trainer.max_steps, trainer.model_name) == (0.002, 110, "rlrun-tiny")
+    assert (trainer.learning_rate, trainer.max_steps, trainer.model_name) == (0.001, 110, "rlrun-tiny")
     orchestrator = OrchestratorView.from_spec(spec)
     assert (orchestrator.rollouts_per_prompt, orchestrator.batch_size, orchestrator.max_tokens) == (8, 128, 8)
     assert orchestrator.environment == EnvironmentView(type="builtin", name="reverse-words", seed=0,

@@ -14,7 +14,7 @@ from rlrun_api.constants import DEFAULT_OPERATOR_NAMESPACE
 from .config import get_config_hash, render_config_map
 from .inference import get_inference_pools, render_inference
 from .metadata import RenderError, check_run_name, get_child_names
-from .network import render_network_policy
+from .network import render_network_policy, render_trainer_network_policy
 from .orchestrator import render_orchestrator
 
 from .pod import check_pod_env
@@ -56,7 +56,8 @@ def render(rlrun: dict[str, Any], *, operator_namespace: str = DEFAULT_OPERATOR_
     Returns:
         Plain dicts (apiVersion, kind, metadata, ...): ConfigMap ``<name>-config``; PVC ``<name>-storage``
         unless spec.storage.claimName; ServiceAccount, Role, RoleBinding ``<name>-router``; Services for
-        trainer (headless), inference or prefill + decode (headless), router, orchestrator; NetworkPolicy
+        trainer (headless), inference or prefill + decode (headless), router, orchestrator; NetworkPolicies
+        ``<name>-trainer`` (push weight transports only: network.render_trainer_network_policy) and
         ``<name>-inference``; StatefulSet ``<name>-trainer``; Deployments for the inference pools and the
         router; Job ``<name>-orchestrator``. With spec.suspend every workload has 0 replicas and the Job is
         suspended; ConfigMap and PVC stay. Prefill/decode replicas are always the creation seed
@@ -83,12 +84,15 @@ def render(rlrun: dict[str, Any], *, operator_namespace: str = DEFAULT_OPERATOR_
     router_service, router_deployment = render_router(rlrun, names, claim_name)
     orchestrator_service, job = render_orchestrator(rlrun, names, claim_name)
     network_policy = render_network_policy(rlrun, names["network-policy"], operator_namespace)
+    trainer_network_policy = render_trainer_network_policy(rlrun, names["trainer-network-policy"])
 
     objects: list[dict[str, Any]] = [config_map]
     if pvc is not None:
         objects.append(pvc)
     objects += rbac
     objects += [trainer_service, *inference_services, router_service, orchestrator_service]
+    if trainer_network_policy is not None:
+        objects.append(trainer_network_policy)
     objects.append(network_policy)
     objects.append(statefulset)
     objects += [*inference_deployments, router_deployment]

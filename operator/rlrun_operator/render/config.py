@@ -81,3 +81,26 @@ def render_config_map(rlrun: dict[str, Any], name: str) -> dict[str, Any]:
         "metadata": get_metadata(rlrun, name, c.COMPONENT_CONFIG),
         "data": {c.CONFIG_FILE_NAME: text},
     }
+
+
+class _BlockDumper(yaml.SafeDumper):
+    """SafeDumper writing every multi-line string as a literal block (``|``), so the ConfigMap's run config
+    reads as YAML instead of one double-quoted string with ``\\n`` escapes. The value is the same string."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.nodes.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_BlockDumper.add_representer(str, _represent_str)
+
+
+def dump_manifests(manifests: list[dict[str, Any]]) -> str:
+    """``manifests`` as a YAML stream (``---`` between documents, keys in their order, block style), each
+    multi-line string a literal block; yaml.safe_load_all gives the manifests back unchanged.
+
+    PyYAML writes a literal block only when the text allows one (no trailing spaces before a line break, no
+    special characters); any other string keeps PyYAML's own quoting, so the round trip holds for every input.
+    """
+    return yaml.dump_all(manifests, Dumper=_BlockDumper, sort_keys=False, default_flow_style=False)

@@ -1,4 +1,5 @@
-"""Services and the inference NetworkPolicy of a run (pure)."""
+"""Services and the NetworkPolicies of a run: the inference pods' (always) and the trainer pods' (push weight
+transports) (pure)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,50 @@ def render_network_policy(rlrun: dict[str, Any], name: str,
                         },
                     ]
                 }
+            ],
+        },
+    }
+
+
+def render_trainer_network_policy(rlrun: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """NetworkPolicy ``name`` isolating the run's trainer pods, for the push weight transports
+    (spec.weightSync.transport in constants.PUSH_TRANSPORTS); None for the filesystem transport (no policy
+    selects its trainer pods: their ingress is not restricted, as before push transports existed).
+
+    A push joins trainer rank 0 and every inference worker in one gloo (or NCCL) group per engine: the workers
+    dial rank 0's TCPStore on the fixed, named port constants.WEIGHT_PUSH_PORT_NAME (29600), and the group's
+    data connections then use ephemeral ports in both directions. Ingress to the trainer pods is therefore
+    allowed for (a) all TCP from the run's trainer pods (torchrun's rendezvous on TRAINER_MASTER_PORT and the
+    ranks' own connections) and its inference pods (inference, prefill, decode; same namespace, label
+    instance = the run's name); (b) the orchestrator of the run on WEIGHT_PUSH_PORT_NAME only (it posts push
+    requests to the store); (c) anyone on the metrics port (TRAINER_METRICS_PORT_NAME: read-only Prometheus
+    text, scraped by the chart's PodMonitor from Prometheus' namespace). Everything else is denied; egress is
+    not restricted. The inference pods' own policy (render_network_policy) already admits every pod of the
+    run on any port, so together all TCP between the run's trainer and inference pods is admitted and none
+    from outside the run reaches those ports.
+    """
+    if rlrun["spec"]["weightSync"]["transport"] not in c.PUSH_TRANSPORTS:
+        return None
+    run_name = rlrun["metadata"]["name"]
+    peers = {
+        "matchLabels": get_run_selector_labels(run_name),
+        "matchExpressions": [{"key": c.LABEL_COMPONENT, "operator": "In",
+                              "values": [c.COMPONENT_TRAINER, *c.POOL_COMPONENTS]}],
+    }
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": get_metadata(rlrun, name, c.COMPONENT_TRAINER),
+        "spec": {
+            "podSelector": {"matchLabels": get_selector_labels(run_name, c.COMPONENT_TRAINER)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": peers}], "ports": [{"protocol": "TCP"}]},
+                {
+                    "from": [{"podSelector": {"matchLabels": get_selector_labels(run_name, c.COMPONENT_ORCHESTRATOR)}}],
+                    "ports": [{"protocol": "TCP", "port": c.WEIGHT_PUSH_PORT_NAME}],
+                },
+                {"ports": [{"protocol": "TCP", "port": c.TRAINER_METRICS_PORT_NAME}]},
             ],
         },
     }

@@ -26,14 +26,27 @@ BACKOFF_LIMIT = 4
 
 def get_orchestrator_env(rlrun: dict[str, Any], names: dict[str, str]) -> list[dict[str, Any]]:
     """RLRUN_ROUTER_URL (completions), RLRUN_INFERENCE_ENDPOINTS (admin calls), with disaggregation
-    RLRUN_PREFILL_ENDPOINTS (the prefill pool among them: the P/D order of a weight update), RLRUN_METRICS_PORT."""
+    RLRUN_PREFILL_ENDPOINTS (the prefill pool among them: the P/D order of a weight update), RLRUN_METRICS_PORT,
+    and the W&B API key of spec.tracking (:func:`get_tracking_env`)."""
     env = [
         env_value(c.ENV_ROUTER_URL, f"http://{names['router']}:{c.ROUTER_PORT}"),
         env_value(c.ENV_INFERENCE_ENDPOINTS, get_inference_endpoints(rlrun, names)),
     ]
     if c.COMPONENT_PREFILL in get_inference_pools(rlrun):
         env.append(env_value(c.ENV_PREFILL_ENDPOINTS, f"{names[c.COMPONENT_PREFILL]}:{c.INFERENCE_PORT}"))
-    return env + [env_value(c.ENV_METRICS_PORT, c.ORCHESTRATOR_METRICS_PORT)]
+    return env + [env_value(c.ENV_METRICS_PORT, c.ORCHESTRATOR_METRICS_PORT)] + get_tracking_env(rlrun)
+
+
+def get_tracking_env(rlrun: dict[str, Any]) -> list[dict[str, Any]]:
+    """``WANDB_API_KEY`` from the Secret that spec.tracking.wandb.apiKeySecret names (``secretKeyRef`` name and
+    key, the key defaulted by the CRD to ``constants.DEFAULT_WANDB_API_KEY_SECRET_KEY``), when W&B is enabled
+    and a Secret is named; otherwise nothing (runs without spec.tracking render as before)."""
+    wandb = (rlrun["spec"].get("tracking") or {}).get("wandb") or {}
+    secret = wandb.get("apiKeySecret")
+    if not wandb.get("enabled") or not secret:
+        return []
+    return [{"name": c.ENV_WANDB_API_KEY, "valueFrom": {"secretKeyRef": {
+        "name": secret["name"], "key": secret.get("key", c.DEFAULT_WANDB_API_KEY_SECRET_KEY)}}}]
 
 
 def render_orchestrator(rlrun: dict[str, Any], names: dict[str, str], claim_name: str) -> tuple[dict, dict]:

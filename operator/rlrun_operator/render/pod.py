@@ -3,7 +3,8 @@
 Every container runs spec.image with the run config mounted read-only, the shared storage mounted
 read-write, and the env contract of docs/runtime-contract.md: ``RLRUN_CONFIG``, ``RLRUN_STORAGE_DIR``,
 ``RLRUN_RUN_NAME``, ``RLRUN_NAMESPACE`` and ``POD_IP`` (both from the downward API), then the role's own
-variables, then spec.pod.env and spec.pod.envFrom. Pods run as a non-root user with the restricted Pod
+variables, then ``HF_HUB_CACHE`` on the shared storage (Hugging Face model ids), then spec.pod.env and
+spec.pod.envFrom. Pods run as a non-root user with the restricted Pod
 Security Standard's settings (runAsNonRoot, no privilege escalation, all capabilities dropped, seccomp
 RuntimeDefault), and fsGroup so the shared claim is writable.
 """
@@ -16,7 +17,7 @@ from typing import Any
 from rlrun_api import constants as c
 from rlrun_api import validation
 from .metadata import RenderError, get_labels
-from .storage import get_volume_mounts, get_volumes
+from .storage import get_model_cache_dir, get_volume_mounts, get_volumes
 
 GPU_RESOURCE = "nvidia.com/gpu"
 
@@ -63,10 +64,14 @@ def check_pod_env(spec: dict[str, Any]) -> None:
 
 
 def get_env(rlrun: dict[str, Any], role_env: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Base env + ``role_env`` + spec.pod.env, in that order (later entries may use ``$(EARLIER)``); render()
-    has refused a spec.pod.env that names a reserved variable (check_pod_env) before any container is built."""
+    """Base env + ``role_env`` + the model cache (``HF_HUB_CACHE``, storage.get_model_cache_dir, when it
+    applies) + spec.pod.env, in that order (later entries may use ``$(EARLIER)``; a spec.pod.env entry named
+    HF_HUB_CACHE comes later and wins, the kubelet keeping the last value of a name); render() has refused a
+    spec.pod.env that names a reserved variable (check_pod_env) before any container is built."""
     user = rlrun["spec"].get("pod", {}).get("env") or []
-    return get_base_env(rlrun) + [copy.deepcopy(e) for e in role_env] + copy.deepcopy(user)
+    cache_dir = get_model_cache_dir(rlrun["spec"])
+    cache = [env_value(c.ENV_HF_HUB_CACHE, cache_dir)] if cache_dir else []
+    return get_base_env(rlrun) + [copy.deepcopy(e) for e in role_env] + cache + copy.deepcopy(user)
 
 
 def get_resources(extra: dict[str, Any] | None, gpus: int) -> dict[str, Any]:

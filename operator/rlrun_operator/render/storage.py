@@ -57,6 +57,29 @@ def render_pvc(rlrun: dict[str, Any], name: str) -> dict[str, Any] | None:
     }
 
 
+def is_hugging_face_id(model_name: str) -> bool:
+    """Whether spec.model.name is a Hugging Face model id: neither constants.TINY_MODEL_NAME nor a path
+    (a name starting with ``/``, ``.`` or ``~``; the rule `rlrun local` uses too)."""
+    return model_name != c.TINY_MODEL_NAME and not model_name.startswith(("/", ".", "~"))
+
+
+def get_model_cache_dir(spec: dict[str, Any]) -> str | None:
+    """The Hugging Face hub cache directory every container of the run gets (``HF_HUB_CACHE``):
+    ``<storage.mountPath>/constants.MODEL_CACHE_DIR`` when model.name is a Hugging Face id and
+    spec.storage.modelCache is not false (left out: constants.DEFAULT_MODEL_CACHE, true); else None.
+
+    On the shared claim the trainer and every inference pod find what the first one downloaded
+    (huggingface_hub, transformers and vLLM all read HF_HUB_CACHE); only the hub cache moves, not HF_HOME,
+    so a token stays wherever the image or spec.pod.env/envFrom put it.
+    """
+    storage = spec.get("storage") or {}
+    if not storage.get("modelCache", c.DEFAULT_MODEL_CACHE):
+        return None
+    if not is_hugging_face_id(str(spec["model"]["name"])):
+        return None
+    return storage["mountPath"].rstrip("/") + "/" + c.MODEL_CACHE_DIR
+
+
 def get_volumes(config_map_name: str, claim_name: str, shm: bool) -> list[dict[str, Any]]:
     """Pod volumes: the run-config ConfigMap, the shared claim, and (``shm``) a memory-backed /dev/shm.
 

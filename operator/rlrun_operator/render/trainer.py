@@ -11,7 +11,7 @@ from .network import render_service
 from .pod import env_field, env_value, get_http_probes, get_resources, render_container, render_pod_template
 
 PORT_RENDEZVOUS = "rendezvous"
-PORT_METRICS = "metrics"
+PORT_METRICS = c.TRAINER_METRICS_PORT_NAME  # also what the trainer NetworkPolicy admits from anywhere
 
 
 def get_trainer_command() -> list[str]:

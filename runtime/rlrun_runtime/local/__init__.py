@@ -22,6 +22,7 @@ environment sets them; vLLM's CPU worker binds its own OpenMP threads (``VLLM_CP
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -31,12 +32,17 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TextIO
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, TextIO
 
 from rlrun_api import constants as c
 
 from .plan import LOCAL_HOST, LocalPaths, LocalPlan, PlanError, get_local_plan
 from ..storage import RunStorage, atomic_directory, atomic_write_text, list_steps
+
+if TYPE_CHECKING:
+    from rlrun_api.views import AutoscalingView
+
+    from .scaling import ScalablePlan
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -241,6 +247,47 @@ def get_plan(rlrun: dict[str, Any], output_dir: Path, environ: Mapping[str, str]
         raise LocalInputError(f"cannot run locally: {exc}") from None
 
 
+def is_autoscaled(run_spec: Mapping[str, Any]) -> bool:
+    """spec.autoscaling.enabled on a disaggregated run (the only kind the autoscaler scales)."""
+    return bool(run_spec["autoscaling"]["enabled"]) and bool(run_spec["inference"]["disaggregation"]["enabled"])
+
+
+def get_scalable_plan(rlrun: dict[str, Any], output_dir: Path, environ: Mapping[str, str]
+                      ) -> tuple["ScalablePlan", "AutoscalingView", FreePorts]:
+    """The plan of an autoscaled run (``local.scaling``): a process for every server each pool may grow to
+    within the local policy, the initial ones started; the local policy; the port allocator (new routers
+    take ports from it, never one the plan holds for a spare server).
+
+    Raises:
+        LocalInputError: render/plan errors, a transport other than filesystem, pools that do not fit the
+            local maximum (each names the field and the fix).
+    """
+    from rlrun_api.views import AutoscalingView
+    from rlrun_operator import render
+
+    from .scaling import LocalScalingError, get_local_policy, split_plan, widen_pools
+
+    run_spec = rlrun["spec"]
+    transport = run_spec["weightSync"]["transport"]
+    if transport != "filesystem":
+        raise LocalInputError(f"spec.weightSync.transport: {transport!r} pushes weights to a fixed set of servers; "
+                              "rlrun local scales servers only with transport: filesystem (or set "
+                              "spec.autoscaling.enabled: false)")
+    try:
+        policy = get_local_policy(AutoscalingView.from_spec(run_spec))
+        manifests, initial = widen_pools(render.render(rlrun), policy)
+    except ValueError as exc:  # RenderError, SizingError, LocalScalingError name the field and the fix
+        raise LocalInputError(str(exc)) from None
+    ports = FreePorts()
+    try:
+        plan = get_local_plan(manifests, ports, LocalPaths(output_dir),
+                              get_base_env(environ, Path(sys.executable).parent))
+        scalable = split_plan(plan, initial, output_dir / c.LOCAL_SERVERS_FILE)
+    except (PlanError, LocalScalingError) as exc:
+        raise LocalInputError(f"cannot run locally: {exc}") from None
+    return scalable, policy, ports
+
+
 def missing_commands(plan: LocalPlan) -> list[str]:
     """argv[0]s of the plan that are not found on the processes' PATH."""
     missing = []
@@ -353,7 +400,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         check_output_dir(output_dir, args.resume)
         if args.grace_seconds < 0:
             raise LocalInputError("--grace-seconds: must be >= 0")
-        plan = get_plan(rlrun, output_dir, os.environ)
+        scaling = get_scalable_plan(rlrun, output_dir, os.environ) if is_autoscaled(run_spec) else None
+        plan = scaling[0].plan if scaling else get_plan(rlrun, output_dir, os.environ)
     except LocalInputError as exc:
         print(str(exc), file=err)
         return EXIT_INVALID
@@ -364,7 +412,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         return EXIT_INVALID
     for warning in plan.warnings:
         print(f"warning: {warning}", file=err)
-    return run_plan(plan, run_spec, name, output_dir, args.resume, args.grace_seconds, out, err)
+    return run_plan(plan, run_spec, name, output_dir, args.resume, args.grace_seconds, out, err, scaling=scaling)
 
 
 def get_role_error(log: Path) -> str | None:
@@ -383,8 +431,10 @@ def get_role_error(log: Path) -> str | None:
 
 
 def run_plan(plan: LocalPlan, run_spec: Mapping[str, Any], name: str, output_dir: Path, resume: bool,
-             grace_seconds: float, out: TextIO, err: TextIO) -> int:
-    """Write the config, build the model, run the processes with progress, then publish final/ and the plot."""
+             grace_seconds: float, out: TextIO, err: TextIO,
+             scaling: tuple["ScalablePlan", "AutoscalingView", FreePorts] | None = None) -> int:
+    """Write the config, build the model, run the processes with progress, then publish final/ and the plot.
+    ``scaling`` (from :func:`get_scalable_plan`): run the local autoscaler (``local.scaler``) beside them."""
     from .processes import Supervisor, become_subreaper
     from .progress import ProgressDisplay
 
@@ -422,14 +472,43 @@ def run_plan(plan: LocalPlan, run_spec: Mapping[str, Any], name: str, output_dir
         orchestrators = plan.by_component(c.COMPONENT_ORCHESTRATOR)
         port = orchestrators[0].env.get(c.ENV_METRICS_PORT) if orchestrators else None
         supervisor = Supervisor(plan.processes, cwd=Path.cwd(), grace_seconds=grace_seconds)
-        display = ProgressDisplay(storage.metrics_file, f"http://{LOCAL_HOST}:{port}/metrics" if port else None,
+        orchestrator_metrics = f"http://{LOCAL_HOST}:{port}/metrics" if port else None
+        scaler = calls = None
+        if scaling is not None:
+            from ..weights import get_transport
+            from .scaler import LocalScaler, SupervisorCalls
+
+            calls = SupervisorCalls()
+            scaler = LocalScaler(scaling[0], scaling[1], get_transport(run_spec["weightSync"]["transport"], storage),
+                                 calls.call, scaling[2], orchestrator_metrics, output_dir / c.LOCAL_SCALING_FILE)
+            print(f"autoscaling: at most {scaling[1].max_replicas} inference servers here (prefill "
+                  f"{scaling[1].prefill.min}-{scaling[1].prefill.max}, decode {scaling[1].decode.min}-"
+                  f"{scaling[1].decode.max}); decisions in {output_dir / c.LOCAL_SCALING_FILE}"
+                  + (" (dryRun: recorded, not applied)" if scaling[1].dry_run else ""), file=out, flush=True)
+        display = ProgressDisplay(storage.metrics_file, orchestrator_metrics,
                                   int(run_spec["algorithm"]["maxSteps"]), [p.name for p in plan.processes], out,
-                                  resume_step=resume_step)
+                                  resume_step=resume_step, scaling=scaler.summary if scaler else None)
         supervisor.start()  # before the display's refresh thread exists (the children fork a clean process)
+        scaler_stop = threading.Event()
+        if scaler is not None:
+            threading.Thread(target=scaler.run, args=(scaler_stop,), name="rlrun-local-scaler", daemon=True).start()
+
+        def on_tick() -> None:
+            if calls is not None:
+                calls.run_pending(supervisor)
+            display.update(supervisor.exits())
+
+        def before_stop(_outcome: Any) -> None:
+            scaler_stop.set()
+            exited = supervisor.exits()
+            live = tuple(p for p in supervisor.specs if p.name not in exited)
+            record_inference_metrics(dataclasses.replace(plan, processes=live), output_dir / INFERENCE_METRICS_DIR)
+
         with display:
-            outcome = supervisor.wait(stop, on_tick=lambda: display.update(supervisor.exits()),
-                                      before_stop=lambda _: record_inference_metrics(
-                                          plan, output_dir / INFERENCE_METRICS_DIR))
+            try:
+                outcome = supervisor.wait(stop, on_tick=on_tick, before_stop=before_stop)
+            finally:
+                scaler_stop.set()
             display.update(supervisor.exits())
     except KeyboardInterrupt:  # Ctrl-C while the model is being built: no role has started yet
         received.append(signal.SIGINT)

@@ -7,7 +7,9 @@ workers) go with it. Groups are stopped even after their leader exited, because 
 and every descendant seen while the run went on is tracked by pid and start time and killed too (torchrun
 starts its workers in sessions of their own). ``become_subreaper`` keeps orphaned descendants under
 ``rlrun local`` so that they stay visible. Each role also gets SIGTERM from the kernel if the supervisor
-itself dies (``PR_SET_PDEATHSIG``), so not even a SIGKILLed ``rlrun local`` leaves its roles running.
+itself dies (``PR_SET_PDEATHSIG``), and the watchdog (``local/watchdog.py``, a process in a session of its own
+that the supervisor keeps informed of what it tracks) SIGKILLs what is left after the grace period, so not even
+a SIGKILLed ``rlrun local`` leaves its roles running.
 
 What an exit means follows the workload it came from (what the Kubernetes controllers would do):
 
@@ -22,9 +24,11 @@ What an exit means follows the workload it came from (what the Kubernetes contro
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,6 +40,7 @@ from .plan import ProcessSpec
 DEFAULT_GRACE_SECONDS = 15.0
 DEFAULT_FINISH_SECONDS = 120.0  # how long the trainer may take to exit after the Job succeeded
 LOG_TAIL_LINES = 20
+WATCHDOG_DONE = "done"  # the line that tells the watchdog the supervisor stopped everything itself
 
 
 @dataclass(frozen=True)
@@ -206,25 +211,109 @@ class Supervisor:
     finish_seconds: float = DEFAULT_FINISH_SECONDS
     _running: list[_Running] = field(default_factory=list, init=False, repr=False)
     _known: dict[int, int] = field(default_factory=dict, init=False, repr=False)  # descendant pid -> start time
+    _watchdog: subprocess.Popen[str] | None = field(default=None, init=False, repr=False)
+    _told_watchdog: str = field(default="", init=False, repr=False)
+    _retired: dict[str, float] = field(default_factory=dict, init=False, repr=False)  # name -> SIGKILL deadline
 
     def start(self) -> None:
         """Start every process (own session, output appended to its log). On a start error, stop the others
         and re-raise (FileNotFoundError when argv[0] is not found)."""
         for spec in self.specs:
-            spec.log_path.parent.mkdir(parents=True, exist_ok=True)
             try:
-                with open(spec.log_path, "ab") as log:
-                    log.write(f"=== rlrun local: {time.strftime('%Y-%m-%d %H:%M:%S')} starting {spec.name}: "
-                              f"{' '.join(spec.argv)}\n".encode())
-                    log.flush()
-                    popen = subprocess.Popen(
-                        list(spec.argv), env=dict(spec.env), cwd=self.cwd, stdin=subprocess.DEVNULL,
-                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                        preexec_fn=_die_with_parent)
+                self._launch(spec)
             except OSError:
                 self.stop()
                 raise
-            self._running.append(_Running(spec, popen))
+        self._start_watchdog()
+
+    def _launch(self, spec: ProcessSpec) -> None:
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(spec.log_path, "ab") as log:
+            log.write(f"=== rlrun local: {time.strftime('%Y-%m-%d %H:%M:%S')} starting {spec.name}: "
+                      f"{' '.join(spec.argv)}\n".encode())
+            log.flush()
+            popen = subprocess.Popen(
+                list(spec.argv), env=dict(spec.env), cwd=self.cwd, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent)
+        self._running.append(_Running(spec, popen))
+
+    def add(self, spec: ProcessSpec) -> None:
+        """Start one more process while the run goes on (a server joining after a scale-up); it is then
+        supervised like the others. Call it from the thread that runs :meth:`wait` (its ``on_tick``).
+
+        Raises:
+            OSError: it could not be started (FileNotFoundError when argv[0] is not found).
+            ValueError: its name is taken.
+        """
+        if any(s.name == spec.name for s in self.specs):
+            raise ValueError(f"a process named {spec.name} exists")
+        self._launch(spec)
+        self.specs = [*self.specs, spec]
+        self._tell_watchdog()
+
+    def retire(self, name: str, grace_seconds: float) -> None:
+        """Stop one process on purpose (a scale-down): SIGTERM to its group now, SIGKILL by :meth:`check` once
+        ``grace_seconds`` passed; its exit, whatever the code, no longer decides the run's outcome. Call it
+        from the thread that runs :meth:`wait`.
+
+        Raises:
+            KeyError: no process of that name was started.
+        """
+        running = next(r for r in self._running if r.spec.name == name) if name in self.pids else None
+        if running is None:
+            raise KeyError(name)
+        self._retired[name] = time.monotonic() + grace_seconds
+        _signal_group(running.popen.pid, signal.SIGTERM)
+
+    def _kill_overdue(self) -> None:
+        """SIGKILL the groups of retired processes still alive past their grace period."""
+        now = time.monotonic()
+        exits = self.exits()
+        for running in self._running:
+            deadline = self._retired.get(running.spec.name)
+            if deadline is not None and now >= deadline and running.spec.name not in exits:
+                _signal_group(running.popen.pid, signal.SIGKILL)
+
+    def _start_watchdog(self) -> None:
+        """Start the orphan watchdog (module ``local.watchdog``) and tell it the process groups."""
+        if not self.specs or sys.platform != "linux":
+            return
+        log_path = self.specs[0].log_path.parent / "watchdog.log"
+        with open(log_path, "ab") as log:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-m", "rlrun_runtime.local.watchdog", str(self.grace_seconds)],
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=self.cwd,
+                start_new_session=True)
+        self._tell_watchdog()
+
+    def _tell_watchdog(self, line: str | None = None) -> None:
+        """Send the watchdog what is tracked now (when it changed), or ``line``; a dead watchdog is ignored."""
+        if self._watchdog is None or self._watchdog.stdin is None:
+            return
+        if line is None:
+            line = json.dumps({"groups": [r.popen.pid for r in self._running],
+                               "pids": sorted(self._known.items())})
+            if line == self._told_watchdog:
+                return
+            self._told_watchdog = line
+        with contextlib.suppress(BrokenPipeError, OSError, ValueError):
+            self._watchdog.stdin.write(line + "\n")
+            self._watchdog.stdin.flush()
+
+    def _stop_watchdog(self) -> None:
+        """Tell the watchdog that everything is stopped, and reap it."""
+        if self._watchdog is None:
+            return
+        self._tell_watchdog(WATCHDOG_DONE)
+        with contextlib.suppress(BrokenPipeError, OSError, ValueError):
+            self._watchdog.stdin.close()  # type: ignore[union-attr]
+        try:
+            self._watchdog.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._watchdog.kill()
+            self._watchdog.wait()
+        self._watchdog = None
 
     @property
     def pids(self) -> dict[str, int]:
@@ -246,12 +335,15 @@ class Supervisor:
         for pid in get_descendants(roots, table):
             if pid not in self._known and table[pid].state != "Z":
                 self._known[pid] = table[pid].start_time
+        self._tell_watchdog()
         return table
 
     def check(self) -> Outcome | None:
         """The run's outcome if it is decided now (with the failed role's log tail), else None."""
         self._refresh()
-        outcome = get_outcome(self.specs, self.exits())
+        self._kill_overdue()
+        exits = {name: code for name, code in self.exits().items() if name not in self._retired}
+        outcome = get_outcome([s for s in self.specs if s.name not in self._retired], exits)
         if outcome is not None and outcome.failed is not None:
             spec = next(s for s in self.specs if s.name == outcome.failed)
             outcome = Outcome(outcome.success, outcome.reason, outcome.failed, outcome.returncode,
@@ -345,6 +437,7 @@ class Supervisor:
                 running.popen.wait(timeout=5)
         self.exits()
         _reap_orphans(set(groups))
+        self._stop_watchdog()
 
 
 def _reap_orphans(ours: set[int]) -> None:

@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TextIO
+from typing import Any, Callable, Mapping, Sequence, TextIO
 
 from rlrun_api import constants as c
 from rlrun_api.prometheus import get_samples
@@ -270,10 +270,16 @@ class ProgressDisplay:
         stream: where to write (default stdout).
         resume_step: for ``--resume``: the checkpoint step the trainer goes on from; rows of the earlier run
             past it (steps the trainer trains again) are not shown.
+        scaling: with autoscaling, returns (pools, last decision, last action) as lines
+            (``LocalScaler.summary``); the panel shows them, plain output prints each change of the decision
+            that acted and of the action.
     """
 
     def __init__(self, metrics_file: Path, orchestrator_url: str | None, max_steps: int,
-                 roles: Sequence[str] = (), stream: TextIO | None = None, resume_step: int | None = None):
+                 roles: Sequence[str] = (), stream: TextIO | None = None, resume_step: int | None = None,
+                 scaling: Callable[[], tuple[str, str, str]] | None = None):
+        self.scaling = scaling
+        self._scaling_printed: tuple[str, str] = ("", "")
         self.tail = MetricsTail(metrics_file)
         self.orchestrator_url = orchestrator_url
         self.max_steps = max_steps
@@ -329,6 +335,16 @@ class ProgressDisplay:
         if self._live is not None:
             self._live.update(self._renderable())
             return self.progress
+        if self.scaling is not None:
+            _, decision, action = self.scaling()
+            printed_decision, printed_action = self._scaling_printed
+            if decision != printed_decision and not decision.startswith(("hold", "none")):
+                print(f"autoscaler: {decision}", file=self.stream, flush=True)
+                printed_decision = decision
+            if action != printed_action and action != "-":
+                print(f"autoscaler: {action}", file=self.stream, flush=True)
+                printed_action = action
+            self._scaling_printed = (printed_decision, printed_action)
         # plain output: one line per step, also when several steps arrived since the last poll
         done = len(self.tail.rows) - len(new_rows)
         if self._last_printed_step is None and done > 0:
@@ -367,6 +383,11 @@ class ProgressDisplay:
             table.add_row("policy lag", lag + (" loading weights" if progress.weight_update_in_flight else ""))
             table.add_row("elapsed / eta", f"{format_duration(progress.elapsed_seconds)} / "
                                            f"{format_duration(progress.eta_seconds)}")
+        if self.scaling is not None:
+            pools, decision, action = self.scaling()
+            table.add_row("pools", pools)
+            table.add_row("autoscaler", decision)
+            table.add_row("last action", action)
         exited = self._exited
         if self.roles:
             table.add_row("roles", ", ".join(

@@ -1,0 +1,271 @@
+"""Trainer throughput: one full RL step of rlrun's ``Trainer.train_step`` against two HF baselines, same run.
+
+Each case runs warm-up steps, then ``--steps`` timed steps (median reported): forward, logprobs, loss, backward,
+clip, optimizer, schedule, the one metrics read-back. Random weights of a Qwen3 shape (``--shape 0.6b`` is
+Qwen3-0.6B: 28 layers, hidden 1024, 16 heads of 128, 8 KV heads, vocabulary 151,936, tied embeddings), bf16
+compute. Baselines, on the same token count as rows of ``--doc-len`` tokens: a plain transformers model in bf16
+(SDPA) with its own cross-entropy (``labels=``) and fused AdamW, eager and with ``torch.compile(model)``.
+
+Printed per case: tokens/s (real tokens), MFU = tokens/s x (6 N + 6 L H D S) / peak (prime-rl's formula; N
+parameters, L layers, H heads, D head dim, S the DOCUMENT length, peak 989 TFLOP/s dense bf16), step time,
+peak GPU memory, and the ratios to the compiled and the eager baseline. ``--json PATH`` writes every figure.
+
+    python benchmarks/trainer_throughput.py                      # the H200 cases
+    python benchmarks/trainer_throughput.py --shape tiny --device cpu --cases packed16,var16 --steps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+PEAK_FLOPS = 989e12  # dense bf16 H100/H200, as prime-rl's MFU
+SHAPES = {
+    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=65536 + 8,
+                 rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6),
+    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=65536 + 8,
+                 rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6),
+}
+PROMPT_FRACTION = 0.25  # of every document; the rest is completion (loss tokens)
+
+
+def get_doc_lengths(case: str, doc_len: int, rng: random.Random) -> tuple[list[int], int]:
+    """(input-token lengths of the step's documents, token budget of one micro-batch) of a case.
+
+    packed16: 16 x doc_len in one 16 x doc_len row; packed64: 64 x doc_len in one 64 x doc_len micro-batch;
+    var16: 16 documents of uniform random length in [doc_len/2, doc_len] (mean ~0.75 doc_len) in a
+    16 x doc_len budget; single64: one document of 64 x doc_len tokens.
+    """
+    if case == "packed16":
+        return [doc_len] * 16, 16 * doc_len
+    if case == "packed64":
+        return [doc_len] * 64, 64 * doc_len
+    if case == "var16":
+        return [rng.randint(doc_len // 2, doc_len) for _ in range(16)], 16 * doc_len
+    if case == "single64":
+        return [64 * doc_len], 64 * doc_len
+    raise ValueError(f"unknown case {case!r}")
+
+
+def get_samples(lengths: list[int], vocab: int, rng: random.Random) -> list[dict[str, Any]]:
+    """Batch-file samples whose input length (prompt + completion - 1) is each of ``lengths``."""
+    out = []
+    for n in lengths:
+        prompt = max(1, int(n * PROMPT_FRACTION))
+        completion = n + 1 - prompt
+        out.append({"prompt_ids": [rng.randrange(2, vocab) for _ in range(prompt)],
+                    "completion_ids": [rng.randrange(2, vocab) for _ in range(completion)],
+                    "inference_logprobs": [-math.log(vocab) + rng.uniform(-0.1, 0.1) for _ in range(completion)],
+                    "advantage": rng.uniform(-1, 1), "reward": 0.0, "policy_version": 0})
+    return out
+
+
+def count_params(model: torch.nn.Module) -> int:
+    """Distinct parameters (a tied embedding counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def get_mfu(tokens_per_second: float, params: int, shape: dict[str, Any], seq_len: int) -> float:
+    """prime-rl's MFU: tokens/s x (6 params + 6 layers heads head_dim seq_len) / PEAK_FLOPS."""
+    flops = 6 * params + 6 * shape["num_hidden_layers"] * shape["num_attention_heads"] * shape["head_dim"] * seq_len
+    return tokens_per_second * flops / PEAK_FLOPS
+
+
+def time_steps(step: Callable[[int], None], warmup: int, steps: int, device: torch.device) -> dict[str, Any]:
+    """Run ``warmup`` then ``steps`` steps (each synchronised); return the first and the median step seconds."""
+    times = []
+    for i in range(warmup + steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        step(i + 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return {"first_step_s": times[0], "step_s": statistics.median(times[warmup:]), "all_s": times}
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def run_baseline(model_dir: Path, shape: dict[str, Any], num_docs: int, doc_len: int, compiled: bool,
+                 device: torch.device, warmup: int, steps: int) -> dict[str, Any]:
+    """Plain HF model in bf16 (SDPA), HF cross-entropy via ``labels=``, fused AdamW (CUDA), [num_docs, doc_len]."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device)
+    model.config.use_cache = False
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True if device.type == "cuda" else None)
+    forward = torch.compile(model) if compiled else model
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, shape["vocab_size"], (num_docs, doc_len), generator=gen).to(device)
+
+    def step(_: int) -> None:
+        loss = forward(input_ids=ids, labels=ids).loss  # transformers shifts the labels itself
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        float(loss)
+
+    out = time_steps(step, warmup, steps, device)
+    out.update(tokens=num_docs * doc_len, params=count_params(model), peak_gib=peak_gib(device))
+    return out
+
+
+def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compile_layers: bool,
+              checkpoint_layers: bool, device: torch.device, warmup: int, steps: int,
+              profile: bool = False) -> dict[str, Any]:
+    """rlrun's ``Trainer`` (FSDP2 at world size 1, fp32 master weights, bf16 compute on GPU) on ``samples``;
+    ``profile``: one more step under torch.profiler, its top GPU kernels printed."""
+    from rlrun_api.views import TrainerView
+    from rlrun_runtime.storage import RunStorage
+    from rlrun_runtime.trainer import Trainer
+
+    cfg = TrainerView(model_name=str(model_dir), model_revision=None, max_steps=10**6, micro_batch_size=8,
+                      learning_rate=1e-6, weight_decay=0.0, max_grad_norm=1.0, lr_schedule="constant",
+                      lr_warmup_steps=0, temperature=1.0, ratio_low=0.125, ratio_high=8.0, kl_coef=0.0,
+                      checkpoint_interval=10**6, checkpoint_keep=1,
+                      dtype="bfloat16" if device.type == "cuda" else "float32", use_gpu=device.type == "cuda",
+                      nodes=1, gpus_per_node=int(device.type == "cuda"), fsdp=-1, ep=1, cp=1, lora_rank=0,
+                      quantization="none", micro_batch_tokens=budget)
+    with tempfile.TemporaryDirectory(prefix="rlrun-bench-storage-") as storage_dir:
+        trainer = Trainer(cfg, RunStorage(storage_dir), str(model_dir), 0, 1, device, compile_layers=compile_layers,
+                          checkpoint_layers=checkpoint_layers)
+        batch = {"samples": samples}
+        losses = []
+
+        def step(i: int) -> None:
+            losses.append(trainer.train_step(i, batch)[0])
+
+        out = time_steps(step, warmup, steps, device)
+        out.update(tokens=sum(max(1, len(s["prompt_ids"]) + len(s["completion_ids"]) - 1) for s in samples),
+                   params=count_params(trainer.model), peak_gib=peak_gib(device), losses=losses,
+                   attn=trainer.model.config._attn_implementation)
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as profiler
+
+            with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                step(warmup + steps + 1)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    return out
+
+
+def init_world_of_one(device: torch.device) -> None:
+    from rlrun_runtime.trainer import init_distributed
+
+    init_distributed(device.type == "cuda")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--doc-len", type=int, default=1024)
+    parser.add_argument("--cases", default="baseline16,baseline16c,packed16,packed16c,var16c,packed64c,single64c",
+                        help="comma list: baseline16 (HF eager), baseline16c (HF compiled), packedN / varN / "
+                             "singleN (rlrun eager; suffix c: decoder layers and head compiled, a: activation "
+                             "checkpointing per layer)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", default=None, help="write every figure to this file (after each case)")
+    parser.add_argument("--profile", default="", help="a case to profile one extra step of")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    shape = SHAPES[args.shape]
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    init_world_of_one(device)
+    results: dict[str, Any] = {"shape": args.shape, "device": str(device), "torch": torch.__version__,
+                               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cases": {}}
+    with tempfile.TemporaryDirectory(prefix="rlrun-bench-model-") as tmp:
+        model_dir = Path(tmp)
+        torch.manual_seed(0)
+        Qwen3ForCausalLM(Qwen3Config(**shape, pad_token_id=0, eos_token_id=1, bos_token_id=1)).save_pretrained(
+            model_dir, safe_serialization=True)
+        for case in [c for c in args.cases.split(",") if c]:
+            free(device)
+            rng = random.Random(0)
+            try:
+                if case.startswith("baseline"):
+                    out = run_baseline(model_dir, shape, 16, args.doc_len, case.endswith("c"), device,
+                                       args.warmup, args.steps)
+                    seq_len = args.doc_len
+                else:
+                    name = case.rstrip("ca")
+                    flags = case[len(name):]
+                    lengths, budget = get_doc_lengths(name, args.doc_len, rng)
+                    out = run_rlrun(model_dir, get_samples(lengths, shape["vocab_size"], rng), budget,
+                                    "c" in flags, "a" in flags, device, args.warmup, args.steps,
+                                    profile=case == args.profile)
+                    seq_len = round(sum(lengths) / len(lengths))
+                    out["mean_doc_len"] = seq_len
+                out["tokens_per_s"] = out["tokens"] / out["step_s"]
+                out["mfu"] = get_mfu(out["tokens_per_s"], out["params"], shape, seq_len)
+            except torch.OutOfMemoryError as exc:
+                out = {"error": f"out of memory: {str(exc).splitlines()[0]}", "peak_gib": peak_gib(device)}
+            except Exception as exc:  # noqa: BLE001 - a failed case is reported, the others still run
+                traceback.print_exc()
+                out = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+            results["cases"][case] = out
+            print(f"case {case}: " + json.dumps({k: v for k, v in out.items() if k != "all_s"}), flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=1))
+    print_table(results)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 0
+
+
+def print_table(results: dict[str, Any]) -> None:
+    cases = results["cases"]
+    ref_c = cases.get("baseline16c", {}).get("tokens_per_s")
+    ref_e = cases.get("baseline16", {}).get("tokens_per_s")
+    print(f"\n{results['date']}  {results['gpu'] or results['device']}  torch {results['torch']}  "
+          f"shape {results['shape']}")
+    print(f"{'case':<12} {'tokens/s':>10} {'MFU':>6} {'step s':>8} {'first s':>8} {'peak GiB':>9} "
+          f"{'x compiled HF':>13} {'x eager HF':>10}")
+    for case, out in cases.items():
+        if "error" in out:
+            print(f"{case:<12} {out['error'][:100]}")
+            continue
+        tps = out["tokens_per_s"]
+        peak = f"{out['peak_gib']:.1f}" if out.get("peak_gib") is not None else "-"
+        rc = f"{tps / ref_c:.2f}" if ref_c else "-"
+        re_ = f"{tps / ref_e:.2f}" if ref_e else "-"
+        print(f"{case:<12} {tps:>10.0f} {out['mfu'] * 100:>5.1f}% {out['step_s']:>8.3f} {out['first_step_s']:>8.1f} "
+              f"{peak:>9} {rc:>13} {re_:>10}")
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("api", "runtime")]
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Document-aware causal attention masks for packed rows (position ``q`` may attend to ``k`` exactly when
+both belong to the same document and ``k <= q``).
+
+Two forms, each handed to a transformers model as its ``attention_mask`` (a 4-D mask is used as given):
+an explicit boolean ``[B, 1, T, T]`` tensor for SDPA (CPU, or any device; memory grows with ``T**2``) and a
+FlexAttention ``BlockMask`` for ``attn_implementation="flex_attention"`` on GPU (only the blocks on the
+diagonal bands are computed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+FLEX_ATTENTION = "flex_attention"
+
+
+def get_dense_document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[B, 1, T, T]`` mask (True = may attend) from ``doc_ids`` ``[B, T]`` (int64, any device).
+
+    The padding tail (``doc_ids == -1``) forms one more document of its own, so no row is all False (SDPA
+    would return NaN there).
+    """
+    positions = torch.arange(doc_ids.shape[-1], device=doc_ids.device)
+    causal = positions.view(1, -1, 1) >= positions.view(1, 1, -1)
+    same = doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)
+    return (same & causal).unsqueeze(1)
+
+
+def get_block_document_mask(doc_ids: torch.Tensor) -> Any:
+    """FlexAttention ``BlockMask`` of the same pattern as :func:`get_dense_document_mask` (CUDA tensors).
+
+    Raises:
+        ImportError: this torch has no FlexAttention.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, length = doc_ids.shape
+
+    def mask_mod(b, h, q, k):
+        return (doc_ids[b, q] == doc_ids[b, k]) & (q >= k)
+
+    return create_block_mask(mask_mod, batch, None, length, length, device=doc_ids.device)
+
+
+def get_model_inputs(mb: Any, device: torch.device, attn_implementation: str) -> dict[str, Any]:
+    """Keyword arguments of the model's forward for micro-batch ``mb`` (:class:`rlrun_runtime.packing.MicroBatch`).
+
+    Padded micro-batches pass their 2-D ``attention_mask``; packed ones pass ``position_ids`` (restarting per
+    document) and the document mask: a ``BlockMask`` when the model runs FlexAttention, else the dense mask.
+    """
+    input_ids = mb.input_ids.to(device, non_blocking=True)
+    if mb.doc_ids is None:
+        return {"input_ids": input_ids, "attention_mask": mb.attention_mask.to(device, non_blocking=True)}
+    doc_ids = mb.doc_ids.to(device, non_blocking=True)
+    if attn_implementation == FLEX_ATTENTION:
+        mask = get_block_document_mask(doc_ids)
+    else:
+        mask = get_dense_document_mask(doc_ids)
+    return {"input_ids": input_ids, "position_ids": mb.position_ids.to(device, non_blocking=True),
+            "attention_mask": mask}
