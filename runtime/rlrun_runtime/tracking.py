@@ -133,6 +133,7 @@ class WandbSink:
         except ImportError as err:
             raise TrackingSetupError(f"spec.tracking.wandb: wandb is not installed; {INSTALL_HINT}") from err
         directory.mkdir(parents=True, exist_ok=True)
+        self.wandb = wandb
         self.run = wandb.init(project=project, entity=entity, mode=mode, id=run_id, resume="allow", name=run_name,
                               dir=str(directory), config=dict(config),
                               settings=wandb.Settings(console="off", x_disable_stats=True, silent=True))
@@ -148,10 +149,8 @@ class WandbSink:
     def close(self) -> None:
         """Finish the run, then tear W&B's service process down: ``finish`` alone returned before the service
         had written the offline ``.wandb`` file in 1 of 6 tries (wandb 0.31); ``teardown`` waits for it."""
-        import wandb
-
         self.run.finish()
-        wandb.teardown()
+        self.wandb.teardown()
 
 
 # --- the tracker ---------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from rlrun_api import constants
+from rlrun_runtime.environments.builtin import WORDS
 from rlrun_runtime.storage import RunStorage
 from vllm_role import inference_server, role_env, tiny_rlrun, write_config
 
@@ -55,7 +56,8 @@ def test_dry_run_serves_newest_published_weights_with_base_tokenizer(tmp_path):
 @pytest.mark.timeout(600)
 def test_real_vllm_returns_token_ids_and_temperature_scaled_logprobs(tmp_path):
     """Completions through the role's vLLM carry the sampled token ids, and each logprob equals
-    log_softmax(logits / temperature) of the same weights computed with transformers (processed_logprobs)."""
+    log_softmax(logits / temperature) of the same weights computed with transformers (processed_logprobs);
+    a text prompt gets task words back from the warmed-up tiny model."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -69,6 +71,12 @@ def test_real_vllm_returns_token_ids_and_temperature_scaled_logprobs(tmp_path):
                 "temperature": temperature, "logprobs": 0, "return_token_ids": True, "seed": 1,
                 "cache_salt": "policy-0", "ignore_eos": True}
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        # A text prompt through vLLM's own tokenisation: the warmed-up tiny model answers with task words.
+        greedy = httpx.post(f"{url}/v1/completions", json={
+            "model": constants.SERVED_MODEL_NAME, "prompt": "reverse: cat dog owl\nanswer:", "max_tokens": 8,
+            "temperature": 0.0}, timeout=120).json()
+    words = greedy["choices"][0]["text"].split()
+    assert words and set(words) <= set(WORDS), words
     choices = reply["choices"]
     assert len(choices) == 4
     model = AutoModelForCausalLM.from_pretrained(storage / "model", dtype=torch.float32).eval()

@@ -203,7 +203,7 @@ def test_watchdog_exits_after_a_clean_stop(tmp_path):
     _wait_for_children(supervisor, 1)
     supervisor.stop()
     assert watchdog.returncode == 0 and supervisor._watchdog is None
-    assert "SIGKILLed" not in (tmp_path / "watchdog.log").read_text()
+    assert not (tmp_path / "watchdog.log").exists()  # written only when the watchdog had to act
 
 
 def test_gpu_example_exits_2_naming_the_fields(tmp_path):

@@ -1,17 +1,13 @@
-"""rlrun_runtime.tiny_model: built for real, loaded by transformers and served by a real vLLM on CPU."""
+"""rlrun_runtime.tiny_model: built for real and loaded by transformers (vLLM serving it: tests/integration/test_inference.py)."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -157,59 +153,3 @@ def test_make_tiny_model_command(model_dir, cache_home, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "rlrun_runtime.cli", "make-tiny-model", str(out), "--seed", "-1"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "--seed" in bad.stderr and "Traceback" not in bad.stderr
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())
-
-
-@pytest.mark.vllm
-@pytest.mark.timeout(300)
-def test_vllm_serves_the_tiny_model_on_cpu(model_dir, tmp_path):
-    port = _free_port()
-    log = open(tmp_path / "vllm.log", "w")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-         "--served-model-name", constants.SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "128", "--enforce-eager"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert server.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "vLLM did not become healthy in 240 s"
-                time.sleep(1)
-        prompt = "reverse: cat dog owl\nanswer:"
-        reply = _post(f"http://127.0.0.1:{port}/v1/completions", {
-            "model": constants.SERVED_MODEL_NAME, "prompt": prompt, "n": 4, "max_tokens": 8,
-            "temperature": 1.0, "logprobs": 0, "seed": 0})
-        assert len(reply["choices"]) == 4
-        for choice in reply["choices"]:
-            tokens = choice["logprobs"]["tokens"]
-            assert 0 < len(tokens) <= 8
-            assert all(lp is not None and lp <= 0.0 for lp in choice["logprobs"]["token_logprobs"])
-        greedy = _post(f"http://127.0.0.1:{port}/v1/completions", {
-            "model": constants.SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0.0})
-        words = greedy["choices"][0]["text"].split()
-        assert words and set(words) <= set(WORDS)  # the warmed-up model answers with task words
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()

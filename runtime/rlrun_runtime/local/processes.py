@@ -41,6 +41,7 @@ DEFAULT_GRACE_SECONDS = 15.0
 DEFAULT_FINISH_SECONDS = 120.0  # how long the trainer may take to exit after the Job succeeded
 LOG_TAIL_LINES = 20
 WATCHDOG_DONE = "done"  # the line that tells the watchdog the supervisor stopped everything itself
+WATCHDOG_LOG = "watchdog.log"  # beside the roles' logs, only once the watchdog had to act
 
 
 @dataclass(frozen=True)
@@ -279,12 +280,11 @@ class Supervisor:
         """Start the orphan watchdog (module ``local.watchdog``) and tell it the process groups."""
         if not self.specs or sys.platform != "linux":
             return
-        log_path = self.specs[0].log_path.parent / "watchdog.log"
-        with open(log_path, "ab") as log:
-            self._watchdog = subprocess.Popen(
-                [sys.executable, "-m", "rlrun_runtime.local.watchdog", str(self.grace_seconds)],
-                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=self.cwd,
-                start_new_session=True)
+        log_path = self.specs[0].log_path.parent / WATCHDOG_LOG  # written only when the watchdog had to act
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-m", "rlrun_runtime.local.watchdog", str(self.grace_seconds), str(log_path)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, cwd=self.cwd,
+            start_new_session=True)
         self._tell_watchdog()
 
     def _tell_watchdog(self, line: str | None = None) -> None:

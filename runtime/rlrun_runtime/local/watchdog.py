@@ -8,7 +8,8 @@ line per change of what the supervisor tracks and the line ``done`` once the sup
 itself. End of input without ``done`` means the supervisor is gone: the watchdog then does what
 ``Supervisor.stop`` would have done (SIGTERM every group, the same grace period, SIGKILL what is left) and exits.
 
-Usage (by ``processes.Supervisor`` only): ``python -m rlrun_runtime.local.watchdog GRACE_SECONDS``; input lines
+Usage (by ``processes.Supervisor`` only): ``python -m rlrun_runtime.local.watchdog GRACE_SECONDS LOG_PATH`` (the
+file is written only when something had to be SIGKILLed); input lines
 ``{"groups": [pgid, ...], "pids": [[pid, start_time], ...]}`` (start time as in /proc/PID/stat, so a reused pid
 is never signalled).
 """
@@ -78,15 +79,15 @@ def finish_stop(groups: list[int], pids: dict[int, int], grace_seconds: float) -
 
 
 def main(argv: list[str], stdin: TextIO) -> int:
-    grace_seconds = float(argv[0])
+    grace_seconds, log_path = float(argv[0]), argv[1]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the supervisor's to handle
     done, groups, pids = read_tracked(stdin)  # blocks until the supervisor closes the pipe or dies
     if done:
         return 0
     killed = finish_stop(groups, pids, grace_seconds)
     if killed:
-        print(f"rlrun local watchdog: the supervisor died; SIGKILLed {killed} after {grace_seconds:.0f} s",
-              file=sys.stderr, flush=True)
+        with open(log_path, "a", encoding="utf-8") as log:
+            log.write(f"rlrun local watchdog: the supervisor died; SIGKILLed {killed} after {grace_seconds:.0f} s\n")
     return 0
 
 
