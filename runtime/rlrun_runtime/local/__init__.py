@@ -467,7 +467,7 @@ def run_plan(plan: LocalPlan, run_spec: Mapping[str, Any], name: str, output_dir
         become_subreaper()
         print(f"starting {len(plan.processes)} processes ({', '.join(p.name for p in plan.processes)}); "
               f"logs in {output_dir / 'logs'}", file=out, flush=True)
-        print("waiting for the inference servers and the first batch (vLLM starts in about 30-90 s on CPU) ...",
+        print("waiting for the inference servers and the first batch (vLLM starts in about 30-150 s on CPU) ...",
               file=out, flush=True)
         orchestrators = plan.by_component(c.COMPONENT_ORCHESTRATOR)
         port = orchestrators[0].env.get(c.ENV_METRICS_PORT) if orchestrators else None
