@@ -5,8 +5,8 @@ port and records, per run, when its POST returned and when the API server stored
 operator runs as a separate process (`rlrun-operator`, logged in through a KUBECONFIG that points at the
 emulator), as it would in a cluster. Printed figures:
 - seconds from a run's create to all of its children present: p50, p99, max;
-- write calls (POST/PATCH/PUT/DELETE) per run: on children, on the RLRun (kopf's finalizer and
-  annotations, our status), Events;
+- write calls (POST/PATCH/PUT/DELETE) per run: on children, on the RLRun (the POST, kopf's
+  annotation patch, our status), Events;
 - write calls during a no-op resync: (a) while the operator idles through several status intervals, (b)
   across an operator restart (every run's resume handler reconciles it again).
 Not a timed test: run it by hand from the repository root, `.venv/bin/python -m benchmarks.operator_reconcile [--runs 100]`.
@@ -174,7 +174,7 @@ async def wait_quiet(emu: FidelityEmulator, quiet_s: float, limit_s: float) -> N
             return
 
 
-async def main(runs: int, interval: float, operator_cpus: set[int] | None = None) -> None:
+async def main(runs: int, interval: float, operator_cpus: set[int] | None = None, rlrun_writes: int = 2) -> None:
     template = yaml.safe_load((ROOT / "examples" / "rlrun-tiny.yaml").read_text())
     with tempfile.TemporaryDirectory() as tmp:
         log = open(os.environ.get("RLRUN_BENCH_LOG", str(Path(tmp) / "operator.log")), "w")
@@ -214,10 +214,10 @@ async def main(runs: int, interval: float, operator_cpus: set[int] | None = None
                 served = len(emu._requests) - requests0
                 calls = collections.Counter(emu.calls[calls0:])
                 latencies = [max(emu.child_times[key]) - created[key] for key in created]
-                # Converged: every run's writes done (its children, kopf's finalizer and annotation patches, our
+                # Converged: every run's writes done (its children, the POST, our
                 # status patch, the phase Event): the operator's whole work for a new run, wherever the
                 # window above happened to cut it.
-                wanted = {"children": EXPECTED_CHILDREN * runs, constants.KIND: 4 * runs, "Event": runs}
+                wanted = {"children": EXPECTED_CHILDREN * runs, constants.KIND: rlrun_writes * runs, "Event": runs}
                 while any(count_writes(emu, start_writes)[k] < n for k, n in wanted.items()) \
                         and time.perf_counter() - t0 < 120:
                     await asyncio.sleep(0.02)
@@ -276,7 +276,10 @@ if __name__ == "__main__":
     parser.add_argument("--status-interval", type=float, default=constants.OPERATOR_STATUS_INTERVAL_S)
     parser.add_argument("--emulator-cpus", help="CPU list for this process (the emulator), e.g. 0")
     parser.add_argument("--operator-cpus", help="CPU list for the operator process, e.g. 1")
+    parser.add_argument("--rlrun-writes", type=int, default=2,
+                        help="writes on each RLRun once it has converged: the POST and the status patch "
+                             "(4 for operators before 2026-12-02: kopf also patched a finalizer and its annotations)")
     args = parser.parse_args()
     if parse_cpus(args.emulator_cpus):
         os.sched_setaffinity(0, parse_cpus(args.emulator_cpus))
-    asyncio.run(main(args.runs, args.status_interval, parse_cpus(args.operator_cpus)))
+    asyncio.run(main(args.runs, args.status_interval, parse_cpus(args.operator_cpus), args.rlrun_writes))

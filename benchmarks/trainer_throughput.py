@@ -9,6 +9,10 @@ compute. Baselines, on the same token count as rows of ``--doc-len`` tokens: a p
 Printed per case: tokens/s (real tokens), MFU = tokens/s x (6 N + 6 L H D S) / peak (prime-rl's formula; N
 parameters, L layers, H heads, D head dim, S the DOCUMENT length, peak 989 TFLOP/s dense bf16), step time,
 peak GPU memory, and the ratios to the compiled and the eager baseline. ``--json PATH`` writes every figure.
+rlrun cases are ``[lora-|fp8-]<layout>[c][a][n][#k]``: layout packed16, var16, packed64 or single64; prefix
+``lora-`` LoRA rank 16 (alpha 32) on q/k/v/o_proj, ``fp8-`` torchao float8 matmuls; suffix ``c`` compiled
+decoder layers (and head), ``a`` activation checkpointing of every layer, ``n`` no FSDP2 wrapper (world size
+1, autocast to bf16 over the float32 parameters); ``#k`` a repeat of the same case (timing spread).
 
     python benchmarks/trainer_throughput.py                      # the H200 cases
     python benchmarks/trainer_throughput.py --shape tiny --device cpu --cases packed16,var16 --steps 2
@@ -138,11 +142,32 @@ def run_baseline(model_dir: Path, shape: dict[str, Any], num_docs: int, doc_len:
     return out
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def parse_case(case: str) -> dict[str, Any]:
+    """``[lora-|fp8-]<layout>[c][a][n][#k]`` -> layout, compile, checkpoint, wrap_fsdp, lora_rank, quantization.
+
+    Raises:
+        ValueError: unknown prefix.
+    """
+    name = case.split("#")[0]
+    prefix, _, name = name.rpartition("-")
+    if prefix not in ("", "lora", "fp8"):
+        raise ValueError(f"unknown case prefix {prefix!r}: use lora- or fp8-")
+    layout = name.rstrip("can")
+    flags = name[len(layout):]
+    return {"layout": layout, "compile": "c" in flags, "checkpoint": "a" in flags, "wrap_fsdp": "n" not in flags,
+            "lora_rank": 16 if prefix == "lora" else 0, "quantization": "fp8" if prefix == "fp8" else "none"}
+
+
 def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compile_layers: bool,
               checkpoint_layers: bool, device: torch.device, warmup: int, steps: int,
-              profile: bool = False) -> dict[str, Any]:
-    """rlrun's ``Trainer`` (FSDP2 at world size 1, fp32 master weights, bf16 compute on GPU) on ``samples``;
-    ``profile``: one more step under torch.profiler, its top GPU kernels printed."""
+              profile: bool = False, wrap_fsdp: bool = True, lora_rank: int = 0,
+              quantization: str = "none") -> dict[str, Any]:
+    """rlrun's ``Trainer`` (FSDP2 at world size 1 unless ``wrap_fsdp`` is False, fp32 master weights, bf16
+    compute on GPU) on ``samples``, with LoRA of ``lora_rank`` on :data:`LORA_TARGETS` (alpha 2 x rank) or
+    ``quantization`` fp8; ``profile``: one more step under torch.profiler, its top GPU kernels printed."""
     from rlrun_api.views import TrainerView
     from rlrun_runtime.storage import RunStorage
     from rlrun_runtime.trainer import Trainer
@@ -152,11 +177,12 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
                       lr_warmup_steps=0, temperature=1.0, ratio_low=0.125, ratio_high=8.0, kl_coef=0.0,
                       checkpoint_interval=10**6, checkpoint_keep=1,
                       dtype="bfloat16" if device.type == "cuda" else "float32", use_gpu=device.type == "cuda",
-                      nodes=1, gpus_per_node=int(device.type == "cuda"), fsdp=-1, ep=1, cp=1, lora_rank=0,
-                      quantization="none", micro_batch_tokens=budget)
+                      nodes=1, gpus_per_node=int(device.type == "cuda"), fsdp=-1, ep=1, cp=1, lora_rank=lora_rank,
+                      quantization=quantization, micro_batch_tokens=budget, lora_alpha=2.0 * lora_rank,
+                      lora_target_modules=LORA_TARGETS)
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-storage-") as storage_dir:
         trainer = Trainer(cfg, RunStorage(storage_dir), str(model_dir), 0, 1, device, compile_layers=compile_layers,
-                          checkpoint_layers=checkpoint_layers)
+                          checkpoint_layers=checkpoint_layers, wrap_fsdp=wrap_fsdp)
         batch = {"samples": samples}
         losses = []
 
@@ -166,7 +192,10 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
         out = time_steps(step, warmup, steps, device)
         out.update(tokens=sum(max(1, len(s["prompt_ids"]) + len(s["completion_ids"]) - 1) for s in samples),
                    params=count_params(trainer.model), peak_gib=peak_gib(device), losses=losses,
-                   attn=trainer.model.config._attn_implementation)
+                   attn=trainer.model.config._attn_implementation,
+                   trainable=sum(p.numel() for p in trainer.params),
+                   linear_types=sorted({type(m).__name__ for m in trainer.model.modules()
+                                        if isinstance(m, torch.nn.Linear)}))
         if profile:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as profiler
@@ -189,9 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--doc-len", type=int, default=1024)
     parser.add_argument("--cases", default="baseline16,baseline16c,packed16,packed16c,var16c,packed64c,single64c",
-                        help="comma list: baseline16 (HF eager), baseline16c (HF compiled), packedN / varN / "
-                             "singleN (rlrun eager; suffix c: decoder layers and head compiled, a: activation "
-                             "checkpointing per layer)")
+                        help="comma list: baseline16 (HF eager), baseline16c (HF compiled), and rlrun cases "
+                             "[lora-|fp8-]<packed16|var16|packed64|single64>[c][a][n][#k] (the module docstring)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", default=None, help="write every figure to this file (after each case)")
@@ -219,12 +247,12 @@ def main(argv: list[str] | None = None) -> int:
                                        args.warmup, args.steps)
                     seq_len = args.doc_len
                 else:
-                    name = case.rstrip("ca")
-                    flags = case[len(name):]
-                    lengths, budget = get_doc_lengths(name, args.doc_len, rng)
+                    spec = parse_case(case)
+                    lengths, budget = get_doc_lengths(spec["layout"], args.doc_len, rng)
                     out = run_rlrun(model_dir, get_samples(lengths, shape["vocab_size"], rng), budget,
-                                    "c" in flags, "a" in flags, device, args.warmup, args.steps,
-                                    profile=case == args.profile)
+                                    spec["compile"], spec["checkpoint"], device, args.warmup, args.steps,
+                                    profile=case == args.profile, wrap_fsdp=spec["wrap_fsdp"],
+                                    lora_rank=spec["lora_rank"], quantization=spec["quantization"])
                     seq_len = round(sum(lengths) / len(lengths))
                     out["mean_doc_len"] = seq_len
                 out["tokens_per_s"] = out["tokens"] / out["step_s"]
@@ -251,17 +279,17 @@ def print_table(results: dict[str, Any]) -> None:
     ref_e = cases.get("baseline16", {}).get("tokens_per_s")
     print(f"\n{results['date']}  {results['gpu'] or results['device']}  torch {results['torch']}  "
           f"shape {results['shape']}")
-    print(f"{'case':<12} {'tokens/s':>10} {'MFU':>6} {'step s':>8} {'first s':>8} {'peak GiB':>9} "
+    print(f"{'case':<18} {'tokens/s':>10} {'MFU':>6} {'step s':>8} {'first s':>8} {'peak GiB':>9} "
           f"{'x compiled HF':>13} {'x eager HF':>10}")
     for case, out in cases.items():
         if "error" in out:
-            print(f"{case:<12} {out['error'][:100]}")
+            print(f"{case:<18} {out['error'][:100]}")
             continue
         tps = out["tokens_per_s"]
         peak = f"{out['peak_gib']:.1f}" if out.get("peak_gib") is not None else "-"
         rc = f"{tps / ref_c:.2f}" if ref_c else "-"
         re_ = f"{tps / ref_e:.2f}" if ref_e else "-"
-        print(f"{case:<12} {tps:>10.0f} {out['mfu'] * 100:>5.1f}% {out['step_s']:>8.3f} {out['first_step_s']:>8.1f} "
+        print(f"{case:<18} {tps:>10.0f} {out['mfu'] * 100:>5.1f}% {out['step_s']:>8.3f} {out['first_step_s']:>8.1f} "
               f"{peak:>9} {rc:>13} {re_:>10}")
 
 

@@ -176,6 +176,11 @@ DEFAULT_STORAGE_SIZE = "100Gi"
 
 # --- Names ---------------------------------------------------------------------------------------
 SERVED_MODEL_NAME = "policy"  # vLLM --served-model-name: the name requests use, whatever the weights
+# Readiness of a prefill or decode server: GET INFERENCE_READY_PATH on its http port answers 200 only while it
+# serves the version the orchestrator last loaded on every engine, which the orchestrator records in
+# SERVING_VERSION_FILE under the shared storage (rlrun_runtime.weights.update, rlrun_runtime.vllm_plugin).
+INFERENCE_READY_PATH = "/rlrun/ready"
+SERVING_VERSION_FILE = "orchestrator/serving-version.json"
 # The worker-extension method of rlrun_runtime.vllm_worker that the orchestrator calls through vLLM's
 # POST /collective_rpc to reload weights in place (the name is the contract between the two processes).
 VLLM_RELOAD_METHOD = "rlrun_reload_weights"

@@ -394,7 +394,11 @@ def check_implemented(run_spec: dict[str, Any], world_size: int | None = None) -
 
 
 def check_trainer_implemented(trainer: TrainerView, world_size: int | None = None) -> list[FieldError]:
-    """The trainer's share of :func:`check_implemented`: LoRA, quantization, ep/cp and a partial FSDP degree.
+    """The trainer's share of :func:`check_implemented`: LoRA on the LM head or embeddings, LoRA with fp8,
+    mxfp8, ep/cp and a partial FSDP degree.
+
+    fp8 itself passes here (the CRD's rule already refuses it without GPUs); the trainer refuses it at start
+    on a GPU below compute capability 8.9 (``rlrun_runtime.fp8.check_quantization``), which only it can see.
 
     Args:
         trainer: the trainer's view of the defaulted spec.
@@ -403,11 +407,21 @@ def check_trainer_implemented(trainer: TrainerView, world_size: int | None = Non
     world = world_size or trainer.nodes * max(1, trainer.gpus_per_node)
     out = []
     if trainer.lora_rank > 0:
-        out.append(FieldError("spec.trainer.lora.rank", "LoRA is not implemented by the trainer yet; set it to 0 "
-                                                        "(full fine-tuning)"))
-    if trainer.quantization != "none":
-        out.append(FieldError("spec.trainer.quantization", f"{trainer.quantization} training is not implemented "
-                                                           "yet; set none"))
+        untargetable = sorted(m for m in trainer.lora_target_modules
+                              if m.split(".")[-1] in ("lm_head", "embed_tokens", "embeddings", "wte"))
+        if untargetable:
+            out.append(FieldError("spec.trainer.lora.targetModules", f"{', '.join(untargetable)}: LoRA on the LM head "
+                                                                     "or the embeddings is not implemented yet; "
+                                                                     "target decoder linear layers (q_proj, v_proj, "
+                                                                     "...) only"))
+        if trainer.quantization != "none":
+            out.append(FieldError("spec.trainer.quantization", f"{trainer.quantization} with LoRA "
+                                                               "(trainer.lora.rank > 0) is not implemented yet; set "
+                                                               "none, or trainer.lora.rank: 0"))
+    if trainer.quantization == "mxfp8" and trainer.lora_rank == 0:
+        out.append(FieldError("spec.trainer.quantization", "mxfp8 needs NVIDIA Blackwell GPUs (SM100, compute "
+                                                           "capability 10.0) and is not implemented yet; set fp8 "
+                                                           "(Ada/Hopper) or none"))
     for key, value in (("ep", trainer.ep), ("cp", trainer.cp)):
         if value != 1:
             out.append(FieldError(f"spec.trainer.parallelism.{key}", f"{value}: expert and context parallelism "

@@ -136,12 +136,24 @@ class TrainerView(SpecView):
     quantization: str
     weight_transport: str = "filesystem"
     micro_batch_tokens: int | None = None  # None: the deprecated microBatchSize layout (one padded row a sample)
+    # LoRA (rank 0: full fine-tuning); alpha and targetModules have CRD defaults.
+    lora_alpha: float = 16.0
+    lora_target_modules: tuple[str, ...] = ()
+    # trainer.compile; the CRD has no default: unset is True on GPU, False on CPU (from_spec).
+    compile: bool = False
+    # trainer.activationCheckpointing.mode (none, full, selective) and layerInterval; the CRD has no defaults:
+    # unset mode is none, unset layerInterval 2 (from_spec).
+    activation_checkpointing: str = "none"
+    checkpoint_layer_interval: int = 2
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> "TrainerView":
         """The view of a defaulted spec (``apply_defaults(rlrun)["spec"]``)."""
         view = cls.project(spec)
         model, alg, trainer = view["model"], view["algorithm"], view["trainer"]
+        use_gpu = trainer["gpusPerNode"] > 0
+        compile_ = trainer.get("compile")
+        checkpointing = trainer.get("activationCheckpointing") or {}
         return cls(
             model_name=model["name"], model_revision=model.get("revision"), dtype=model["dtype"],
             max_steps=alg["maxSteps"], micro_batch_size=alg["microBatchSize"], learning_rate=alg["learningRate"],
@@ -149,10 +161,14 @@ class TrainerView(SpecView):
             lr_warmup_steps=alg["lrWarmupSteps"], temperature=alg["sampling"]["temperature"],
             ratio_low=alg["loss"]["ratioLow"], ratio_high=alg["loss"]["ratioHigh"], kl_coef=alg["loss"]["klCoef"],
             checkpoint_interval=trainer["checkpoint"]["intervalSteps"], checkpoint_keep=trainer["checkpoint"]["keep"],
-            use_gpu=trainer["gpusPerNode"] > 0, nodes=trainer["nodes"], gpus_per_node=trainer["gpusPerNode"],
+            use_gpu=use_gpu, nodes=trainer["nodes"], gpus_per_node=trainer["gpusPerNode"],
             fsdp=trainer["parallelism"]["fsdp"], ep=trainer["parallelism"]["ep"], cp=trainer["parallelism"]["cp"],
             lora_rank=trainer["lora"]["rank"], quantization=trainer["quantization"],
-            weight_transport=view["weightSync"]["transport"], micro_batch_tokens=alg.get("microBatchTokens"))
+            weight_transport=view["weightSync"]["transport"], micro_batch_tokens=alg.get("microBatchTokens"),
+            lora_alpha=float(trainer["lora"]["alpha"]), lora_target_modules=tuple(trainer["lora"]["targetModules"]),
+            compile=use_gpu if compile_ is None else bool(compile_),
+            activation_checkpointing=checkpointing.get("mode") or "none",
+            checkpoint_layer_interval=int(checkpointing.get("layerInterval") or 2))
 
 
 @dataclass(frozen=True)

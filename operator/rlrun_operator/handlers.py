@@ -10,14 +10,18 @@ each run's own :class:`rlrun_operator.reconcile.RunState` in ``run``. Handlers:
 - create / update (spec only) / resume: reconcile the children, then write the status; update also prunes
   children the render no longer produces. A semantically invalid spec writes Ready=False reason InvalidSpec
   and one Warning Event, and creates nothing.
-- timer (every ``config.status_interval_s`` seconds): refresh the status from children and metrics (and,
+- status refresh (every ``config.status_interval_s`` seconds, first after one interval): one asyncio task per
+  run (:func:`start_refresher`, started by its first reconcile), not a kopf timer: kopf puts a finalizer on
+  every object that has a timer, which costs each new run a patch and a watch event and leaves a deleted run
+  stuck in Terminating while no operator runs. The refresh updates the status from children and metrics (and,
   for a run with spec.autoscaling.enabled, one autoscaler decision per scrapeIntervalSeconds:
-  ``reconcile.run_autoscaler``; the clock is ``memo.clock``, time.time unless an embedder set one), then do
+  ``reconcile.run_autoscaler``; the clock is ``memo.clock``, time.time unless an embedder set one), then does
   what ``reconcile.plan_after_refresh`` decides (finish: give a finished run's GPUs back; drift: recreate a
-  missing child). kopf puts its finalizer (constants.FINALIZER) on served RLRuns because of it. A refresh in
-  flight when the operator stops (SIGTERM) is cancelled (``run_unless_stopped``), so the operator exits
-  within ``config.stop_timeout_s`` without orphaning it.
-- delete (optional, no finalizer of its own): forget the run's metric series.
+  missing child). The task ends when the run is gone (then its metric series are forgotten); at exit the
+  cleanup handler cancels every task (a refresh in flight writes nothing more), so the operator stops within
+  ``config.stop_timeout_s``. kopf removes the finalizer ``constants.FINALIZER`` that older operators put on.
+- delete (optional, no finalizer: it runs only while another controller's finalizer holds the run): forget
+  the run's metric series.
 
 Status writes: the handlers and the timer of one run run concurrently in kopf, so each status write holds
 a per-run lock, reads the RLRun afresh, computes the wanted status against that fresh status and sends a
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 import aiohttp
 import kopf
@@ -45,6 +49,59 @@ from rlrun_operator.reconcile import (StatusChange, get_rlrun, get_workloads, pl
 from rlrun_operator.status import PHASE_FAILED, REASON_INVALID_SPEC
 
 RESOURCE = (constants.GROUP, constants.VERSION, constants.PLURAL)
+log = logging.getLogger(__name__)
+
+
+class UnmarkedProgressStorage(kopf.AnnotationsProgressStorage):
+    """kopf's progress storage in ``rlrun.dev/`` annotations, without its ``rlrun.dev/kopf-managed: yes`` marker.
+
+    kopf records a handler's progress when it starts and purges the record when it succeeds at once, so a
+    run whose handler never retries gets no progress annotation; but the marker, which tells other kopf-based
+    operators to leave ``rlrun.dev/`` annotations out of their diffs, stays in the patch: one write per new
+    run, and one watch event, for nothing (the marker is for annotation diff bases, and ours is
+    :class:`GenerationDiffBase`). Retries still write their progress annotations. ``_store_marker`` is kopf's
+    own hook (kopf 1.45, ``kopf/_cogs/configs/conventions.py``); tests/unit/test_operator_kopf.py fails if a
+    kopf upgrade renames it.
+    """
+
+    def _store_marker(self, prefix: str, patch: kopf.Patch, body: kopf.Body) -> None:
+        return None
+
+
+class GenerationDiffBase(kopf.DiffBaseStorage):
+    """kopf's "last handled configuration", read from the status instead of stored in an annotation.
+
+    kopf compares the essence it stored after the last successful handling with the object's essence now, to
+    tell a create from an update or a no-op. Here the essence is ``{"spec": {"generation": N}}``: the API
+    server increments ``metadata.generation`` on every spec change of a custom resource with a status
+    subresource, and every successful reconcile records in the status the generation it handled:
+    ``status.observedGeneration`` for a spec it applied, the Ready condition's ``observedGeneration`` with
+    reason InvalidSpec for a spec it refused (the status refresh never writes either for a generation no
+    reconcile has handled). So nothing is stored: no annotation patch per handled change, and no watch event
+    of it for kopf to process. No handled generation: kopf's create; an older one: kopf's update (on
+    ``field="spec"``). Label or annotation edits do not change the generation and are not reconciled, as
+    with the update handler's ``field="spec"`` before.
+    """
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return {"spec": {"generation": body.get("metadata", {}).get("generation")}}  # type: ignore[return-value]
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        handled = get_handled_generation(body.get("status") or {})
+        return None if handled is None else {"spec": {"generation": handled}}  # type: ignore[return-value]
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        """Nothing to store: the reconcile's own status write records the handled generation."""
+
+
+def get_handled_generation(status: Mapping[str, Any]) -> int | None:
+    """The newest generation a reconcile handled, from an RLRun's status (see GenerationDiffBase); None if none."""
+    handled = status.get("observedGeneration")
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "Ready" and cond.get("reason") == REASON_INVALID_SPEC \
+                and isinstance(cond.get("observedGeneration"), int):
+            handled = max(handled or 0, cond["observedGeneration"])
+    return handled
 
 
 def _invalid_already_reported(rlrun: dict[str, Any], invalid: list[str]) -> bool:
@@ -56,14 +113,20 @@ def _invalid_already_reported(rlrun: dict[str, Any], invalid: list[str]) -> bool
 
 async def publish_status(memo: OperatorMemo, namespace: str, name: str,
                          compute: Callable[[dict[str, Any]], Awaitable[StatusChange]],
-                         current: dict[str, Any] | None = None) -> None:
+                         current: dict[str, Any] | None = None, uid: str | None = None) -> bool:
     """Under the run's lock: GET the RLRun (unless ``current`` is known to be the latest, as in the create
     handler, before anything else wrote a status), ``compute`` the change against it, write it to the
-    status subresource when not empty, count the phase, post an Event on a phase transition."""
+    status subresource when not empty, count the phase, post an Event on a phase transition.
+
+    Returns False when the run is gone (no such object, or, with ``uid``, one of that name but another uid:
+    deleted and created again), True otherwise (also while it is being deleted: nothing is written then).
+    """
     async with get_run_state(memo).status_lock:
         fresh = current if current is not None else await memo.api.get(constants.KIND, namespace, name)
-        if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
-            return
+        if fresh is None or (uid is not None and fresh.get("metadata", {}).get("uid") != uid):
+            return False
+        if fresh.get("metadata", {}).get("deletionTimestamp"):
+            return True
         change = await compute(fresh)
         if change.patch:
             await memo.api.merge_patch(constants.KIND, namespace, name, {"status": change.patch},
@@ -76,30 +139,7 @@ async def publish_status(memo: OperatorMemo, namespace: str, name: str,
         if change.old_phase != change.new_phase:
             kopf.event(fresh, type="Warning" if change.new_phase == PHASE_FAILED else "Normal",
                        reason=change.new_phase, message=f"phase {change.old_phase or 'none'} -> {change.new_phase}")
-
-
-async def run_unless_stopped(work: Awaitable[None], stopped: kopf.DaemonStopped) -> None:
-    """Await ``work`` (one status refresh); when kopf's stopper fires first (the operator is exiting, or
-    the run is being deleted), cancel it and return.
-
-    kopf never cancels a timer: on exit it sets the stopper and, if the timer is still running, leaves it
-    orphaned ("did not exit in time") and goes on to the cleanup handlers, which close the HTTP session
-    the refresh scrapes with ("Session is closed"). A refresh cancelled here writes nothing more; the next
-    operator's resume and timer redo it.
-    """
-    task = asyncio.ensure_future(work)
-    waiter = asyncio.ensure_future(stopped.wait())
-    try:
-        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()
-        if not task.done():
-            task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        if not stopped:  # cancelled from outside, not by the stopper: let kopf see it
-            raise
+    return True
 
 
 def get_registry(config: OperatorConfig | None = None, login: bool = True) -> kopf.OperatorRegistry:
@@ -122,18 +162,14 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, memo: OperatorMemo, **_: Any) -> None:
         settings.persistence.finalizer = constants.FINALIZER
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.ANNOTATION_PREFIX)
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix=constants.ANNOTATION_PREFIX, key="last-handled-configuration")
+        settings.persistence.progress_storage = UnmarkedProgressStorage(prefix=constants.ANNOTATION_PREFIX)
+        settings.persistence.diffbase_storage = GenerationDiffBase()
         complete_memo(memo, config)
         settings.watching.server_timeout = memo.config.watch_server_timeout_s
         settings.watching.client_timeout = memo.config.watch_client_timeout_s
         settings.watching.connect_timeout = memo.config.connect_timeout_s
         settings.networking.request_timeout = memo.config.request_timeout_s
         settings.posting.level = logging.WARNING
-        # On exit, wait up to this long for a timer to return once its stopper is set (run_unless_stopped
-        # makes that immediate) instead of 10 event-loop cycles, after which kopf orphans it.
-        settings.background.instant_exit_timeout = memo.config.stop_timeout_s
         if memo.api is None:
             memo.api = KubeApi(load_api_client())
         memo.http = aiohttp.ClientSession()
@@ -143,6 +179,11 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
 
     @kopf.on.cleanup(registry=registry)
     async def close(memo: OperatorMemo, **_: Any) -> None:
+        tasks = list(memo.refreshers)
+        for task in tasks:
+            task.cancel()  # a refresh in flight writes nothing more; the next operator's resume redoes it
+        if tasks:
+            await asyncio.wait(tasks, timeout=memo.config.stop_timeout_s)
         if memo.http is not None:
             await memo.http.close()
         if memo.api is not None:
@@ -161,7 +202,7 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
             else:
                 workloads = get_workloads(result)
                 state.reconciled_generation = meta.get("generation")
-            state.invalid = result.invalid
+            state.invalid, state.invalid_generation = result.invalid, meta.get("generation")
 
             async def compute(fresh: dict[str, Any]) -> StatusChange:
                 if result.invalid and not _invalid_already_reported(fresh, result.invalid):
@@ -176,6 +217,46 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
         except (ApiError, ApplyConflict) as exc:
             raise kopf.TemporaryError(f"reconcile failed: {exc}", delay=memo.config.retry_delay_s) from exc
         state.reconciled = True
+        start_refresher(memo, meta["namespace"], meta["name"], meta["uid"])
+
+    def start_refresher(memo: OperatorMemo, namespace: str, name: str, uid: str) -> None:
+        """Start the run's status-refresh task unless it runs already (see the module docstring)."""
+        state = get_run_state(memo)
+        if state.refresher is not None and not state.refresher.done():
+            return
+        task = asyncio.get_running_loop().create_task(refresh_loop(memo, namespace, name, uid),
+                                                      name=f"rlrun status refresh {namespace}/{name}")
+        state.refresher = task
+        memo.refreshers.add(task)
+        task.add_done_callback(memo.refreshers.discard)
+
+    async def refresh_loop(memo: OperatorMemo, namespace: str, name: str, uid: str) -> None:
+        """Refresh the run's status every ``status_interval_s`` (``retry_delay_s`` after an API error) until
+        the run is gone, then forget its metric series."""
+        delay = memo.config.status_interval_s
+        while True:
+            await asyncio.sleep(delay)
+            delay = memo.config.status_interval_s
+            try:
+                present = await refresh_once(memo, namespace, name, uid)
+            except asyncio.CancelledError:
+                raise
+            except (ApiError, ApplyConflict, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                log.warning("status refresh of %s/%s failed, retrying in %.0f s: %s", namespace, name,
+                            memo.config.retry_delay_s, exc)
+                delay = memo.config.retry_delay_s
+                continue
+            except kopf.TemporaryError as exc:  # the follow-up reconcile's API error, already worded
+                log.warning("status refresh of %s/%s: %s", namespace, name, exc)
+                delay = memo.config.retry_delay_s
+                continue
+            except Exception:  # noqa: BLE001 - a bug: log it with its traceback, keep refreshing the run
+                log.exception("status refresh of %s/%s failed", namespace, name)
+                delay = memo.config.retry_delay_s
+                continue
+            if not present:
+                metrics.forget_run(namespace, name)
+                return
 
     @kopf.on.create(*RESOURCE, registry=registry, backoff=config.retry_delay_s)
     async def on_create(body: Any, memo: OperatorMemo, **_: Any) -> None:
@@ -189,20 +270,16 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
     async def on_resume(body: Any, memo: OperatorMemo, **_: Any) -> None:
         await reconcile(body, memo, "resume", prune=False, assume_absent=False)
 
-    @kopf.timer(*RESOURCE, registry=registry, interval=config.status_interval_s,
-                initial_delay=config.status_interval_s)
-    async def refresh(body: Any, memo: OperatorMemo, stopped: kopf.DaemonStopped, **_: Any) -> None:
-        await run_unless_stopped(refresh_once(body, memo), stopped)
-
-    async def refresh_once(body: Any, memo: OperatorMemo) -> None:
+    async def refresh_once(memo: OperatorMemo, namespace: str, name: str, uid: str) -> bool:
+        """One refresh (and its follow-up reconcile); False when the run is gone."""
         state = get_run_state(memo)
-        if not state.reconciled:
-            return  # the create/resume handler has not finished yet (it writes the first status)
-        meta = body["metadata"]
 
         async def compute(fresh: dict[str, Any]) -> StatusChange:
+            # The last reconcile's verdict on the spec holds for the generation it handled only: a newer
+            # generation is pending (ReconcilePending), not invalid (GenerationDiffBase relies on that).
+            invalid = state.invalid if state.invalid_generation == fresh["metadata"].get("generation") else []
             return await refresh_run(memo.api, memo.http, fresh, state.get_reconciled_generation(fresh),
-                                     state.invalid, run_state=state, clock=memo.clock)
+                                     invalid, run_state=state, clock=memo.clock)
 
         seen: list[tuple[dict[str, Any], StatusChange]] = []
 
@@ -210,18 +287,17 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
             seen.append((fresh, await compute(fresh)))
             return seen[-1][1]
 
-        try:
-            await publish_status(memo, meta["namespace"], meta["name"], compute_and_keep)
-        except ApiError as exc:
-            raise kopf.TemporaryError(f"status refresh failed: {exc}", delay=memo.config.retry_delay_s) from exc
-        metrics.STATUS_REFRESHES.labels(meta["namespace"], meta["name"]).inc()
+        if not await publish_status(memo, namespace, name, compute_and_keep, uid=uid):
+            return False
+        metrics.STATUS_REFRESHES.labels(namespace, name).inc()
         if not seen:
-            return
+            return True
         fresh, change = seen[-1]
         follow_up = plan_after_refresh(fresh, change, state.reconciled_generation)
         if follow_up is not None:
             await reconcile(fresh, memo, follow_up, prune=False, assume_absent=False,
                             finished=True if follow_up == "finish" else None)
+        return True
 
     @kopf.on.delete(*RESOURCE, registry=registry, optional=True)
     async def forget(body: Any, **_: Any) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import aiohttp
@@ -28,6 +29,7 @@ class OperatorMemo:
         http: the session the status timer scrapes /metrics with (opened at startup, closed at cleanup).
         clock: unix time in seconds for the autoscaler's decisions (an embedder may give a fake one).
         run: the run's RunState; None in the operator's own memo.
+        refreshers: every run's status-refresh task (one set, shared by the per-run copies), cancelled at exit.
     """
 
     config: OperatorConfig
@@ -35,6 +37,7 @@ class OperatorMemo:
     http: aiohttp.ClientSession | None = None
     clock: Callable[[], float] = time.time
     run: RunState | None = None
+    refreshers: set[asyncio.Task[None]] = field(default_factory=set)
 
 
 def complete_memo(memo: Any, config: OperatorConfig) -> None:

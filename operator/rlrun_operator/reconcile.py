@@ -29,6 +29,7 @@ class ReconcileResult:
     pruned (kind, name) pairs."""
 
     invalid: list[str] = field(default_factory=list)
+    invalid_generation: int | None = None
     outcomes: list[apply.Outcome] = field(default_factory=list)
     pruned: list[tuple[str, str]] = field(default_factory=list)
 
@@ -304,19 +305,23 @@ class RunState:
         status_lock: held for each status write (handlers and the timer of one run run concurrently).
         reconciled: a create/resume/update reconcile has finished once (the timer waits for it).
         reconciled_generation: metadata.generation of the last reconcile that rendered the children.
-        invalid: the spec's errors found by the last reconcile ([] when valid).
+        invalid: the spec's errors found by the last reconcile ([] when valid); invalid_generation: the
+            generation that reconcile handled.
         autoscale: the autoscaler's state after its last decision (None: derive it from
             status.scalingHistory, as after an operator restart); autoscale_time: when it decided;
             autoscale_known: the pool sizes it last saw or set (a different live value is a hand edit).
+        refresher: the run's status-refresh task (``handlers.start_refresher``), None before its first reconcile.
     """
 
     status_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     reconciled: bool = False
     reconciled_generation: int | None = None
     invalid: list[str] = field(default_factory=list)
+    invalid_generation: int | None = None
     autoscale: autoscale.State | None = None
     autoscale_time: float | None = None
     autoscale_known: dict[str, int] | None = None
+    refresher: asyncio.Task[None] | None = None
 
     def get_reconciled_generation(self, rlrun: dict[str, Any]) -> int | None:
         """The generation the children were last rendered for: ours, else (after an operator restart, before

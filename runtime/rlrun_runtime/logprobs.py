@@ -37,10 +37,13 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     ``softmax((hidden @ weight.T).float() / temperature)``.
 
     Inputs: ``hidden`` ``[N, H]``, ``weight`` ``[V, H]`` (same dtype), ``targets`` ``[N]`` int64,
-    ``temperature`` (> 0), ``chunk`` tokens per chunk. Gradients flow to ``hidden`` and ``weight``.
+    ``temperature`` (> 0), ``chunk`` tokens per chunk. Gradients flow to ``hidden`` and ``weight``. Under CUDA
+    autocast (an unwrapped model, float32 weights) the backward's matrix products run in the autocast dtype
+    as the forward's do (``torch.amp.custom_bwd``), not in float32.
     """
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
                 chunk: int, compiled: bool = False) -> torch.Tensor:
         count, dtype = hidden.shape[0], get_logit_dtype(weight.dtype)
@@ -56,6 +59,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         hidden, weight, targets, lse = ctx.saved_tensors
         temperature, chunk = ctx.temperature, ctx.chunk

@@ -12,7 +12,9 @@ Two asyncio tasks share one process:
   is published (or an engine, e.g. a new pod, reports another version), it pushes the newest to the
   engines that lack it (pause(keep) -> reload -> set version -> reset prefix cache -> resume, each engine
   directly: :mod:`rlrun_runtime.vllm_admin`), then deletes weight directories older than the version
-  every engine has loaded (never the loaded one: a new pod starts from it).
+  every engine has loaded (never the loaded one: a new pod starts from it), and records that version in
+  ``orchestrator/serving-version.json`` (the readiness of prefill and decode pods, which always start from
+  the initial model: :func:`rlrun_runtime.weights.update.get_readiness`).
 
 Beside them, the engines' watchdog and the reader of the trainer's ``metrics.jsonl`` (its wait for data,
 one of the loop metrics the autoscaler reads: :class:`rlrun_runtime.orchestrator_metrics.OrchestratorMetrics`).
@@ -58,7 +60,7 @@ from rlrun_runtime.storage import FileTail, RunStorage, append_jsonl, atomic_wri
 from rlrun_runtime.tracking import Tracker, TrackingSetupError, build_tracker
 from rlrun_runtime.vllm_admin import HEALTH_PROBE_TIMEOUT_S, EngineError, VLLMAdmin, parse_version, resolve_engines
 from rlrun_runtime.weights import get_transport
-from rlrun_runtime.weights.update import update_engines
+from rlrun_runtime.weights.update import update_engines, write_serving_version
 
 log = logging.getLogger("rlrun.orchestrator")
 
@@ -216,6 +218,8 @@ class Orchestrator:
         self.trainer_needs: int | None = None  # the batch the trainer waits for (known from its metrics.jsonl)
         self._round_robin = itertools.count()
         self._loaded_identity: Hashable | None = None
+        self._recorded_version: int | None = None  # what weights.update.write_serving_version last wrote
+        self.not_listening: set[str] = set()        # engines left out of the last weight round (starting)
         self._client: httpx.AsyncClient | None = None
         # spec.evaluation and spec.tracking (None when off): rlrun_runtime.evaluation, rlrun_runtime.tracking.
         self.held_out = held_out
@@ -252,36 +256,48 @@ class Orchestrator:
         return local.router if local else self._router_url
 
     # --- start-up -----------------------------------------------------------------------------------
-    async def wait_healthy(self) -> list[str]:
-        """Wait (logging every 10th retry) until the engines and the router, if any, answer /health.
+    async def wait_healthy(self, router: bool = True) -> list[str]:
+        """Wait (logging every 10th retry) until the engines and, with ``router``, the router, if any, answer
+        /health.
 
-        Every engine that ``RLRUN_INFERENCE_ENDPOINTS`` resolves to must be healthy. Returns their base URLs.
+        Every engine that ``RLRUN_INFERENCE_ENDPOINTS`` resolves to must be healthy, except engines that refuse
+        connections (nothing listens: a prefill or decode pod still starting or crash-looping, which its
+        Service publishes before it is ready) once each endpoint has at least one healthy engine: those are
+        left to the weight loop, which loads them once they listen. Returns the healthy engines' base URLs.
 
         Raises:
             OrchestratorError: still not healthy after ``health_timeout_s``.
         """
         deadline = time.monotonic() + self.health_timeout_s
         for attempt in itertools.count(1):
-            problems = []
-            engines: list[str] = []
-            try:
-                engines = resolve_engines(self.endpoints)
-            except (OSError, ValueError) as err:
-                problems.append(f"{constants.ENV_INFERENCE_ENDPOINTS}: {err}")
-            healthy = []
-            for url in engines:
-                async with VLLMAdmin(url, timeout_s=5) as admin:
-                    if await admin.health():
-                        healthy.append(url)
-                    else:
-                        problems.append(f"engine {url} not healthy")
-            if self.router_url and not problems:
+            problems: list[str] = []
+            healthy: list[str] = []
+            for item in (i.strip() for i in self.endpoints if i.strip()):  # a Service (cluster) or one server
                 try:
-                    ok = (await self._http().get(f"{self.router_url}/health", timeout=5)).status_code == 200
+                    engines = resolve_engines([item])
+                except (OSError, ValueError) as err:
+                    problems.append(f"{constants.ENV_INFERENCE_ENDPOINTS}: {err}")
+                    continue
+                ok, starting, sick = [], [], []
+                for url in engines:
+                    async with VLLMAdmin(url, timeout_s=5) as admin:
+                        if await admin.health():
+                            ok.append(url)
+                        elif await self._refuses_connections(url):
+                            starting.append(url)
+                        else:
+                            sick.append(url)
+                healthy += ok
+                problems += [f"engine {url} not healthy" for url in sick]
+                if not ok:
+                    problems += [f"engine {url} not listening yet" for url in starting] or [f"{item}: no engine"]
+            if router and self.router_url and not problems:
+                try:
+                    ok_router = (await self._http().get(f"{self.router_url}/health", timeout=5)).status_code == 200
                 except httpx.HTTPError as err:
-                    ok = False
+                    ok_router = False
                     problems.append(f"router {self.router_url}: {type(err).__name__}")
-                if not ok and not problems:
+                if not ok_router and not problems:
                     problems.append(f"router {self.router_url} not healthy")
             if not problems and healthy:
                 log.info("engines healthy: %s%s", ", ".join(healthy),
@@ -318,8 +334,7 @@ class Orchestrator:
         """
         target = max(self.newest_published(), self.loaded_version)
         self.metrics.step.set(self.newest_published())
-        engines = resolve_engines(self.endpoints)
-        infos = await asyncio.gather(*(self._weight_info(url) for url in engines))
+        engines, infos = await self._engine_versions(resolve_engines(self.endpoints))
         # An engine left paused by a failed update is always updated again (that is what resumes it).
         behind = [url for url, version in zip(engines, infos) if version != target or url in self.out_of_service]
         identity = self.transport.identity(target)
@@ -363,8 +378,46 @@ class Orchestrator:
             self.metrics.policy_version.set(target)
             self.version_changed.set()
             self.transport.retire(target)
+        if target != self._recorded_version:  # what a prefill or decode pod's readiness compares with
+            write_serving_version(self.storage, target)
+            self._recorded_version = target
         self.weights_stable.set()
         return True
+
+    async def _engine_versions(self, engines: Sequence[str]) -> tuple[list[str], list[int | None]]:
+        """(engines, versions): each engine's ``GET /weight_info`` version (None: not an integer), leaving out
+        the engines that refuse the connection while at least one other answers.
+
+        Such an engine serves nothing (vLLM listens only once its engine is up): a prefill or decode pod still
+        starting, which its Service publishes before it is ready; it is updated in the first round after it
+        listens, and its readiness (``weights.update.get_readiness``) keeps it out of the router until then.
+
+        Raises:
+            EngineError, httpx.HTTPError: an engine that accepts connections failed to answer, or none answered.
+        """
+        results = await asyncio.gather(*(self._weight_info(url) for url in engines), return_exceptions=True)
+        answered = [(url, r) for url, r in zip(engines, results) if not isinstance(r, BaseException)]
+        failures = [(url, r) for url, r in zip(engines, results) if isinstance(r, BaseException)]
+        for url, err in failures:
+            if not isinstance(err, Exception) or not answered or not await self._refuses_connections(url):
+                raise err
+        starting = {url for url, _ in failures}
+        for url in sorted(starting - self.not_listening):
+            log.info("engine %s does not accept connections yet (starting): left out until it does", url)
+        for url in sorted(self.not_listening - starting):
+            log.info("engine %s accepts connections", url)
+        self.not_listening = starting
+        return [url for url, _ in answered], [version for _, version in answered]
+
+    async def _refuses_connections(self, url: str) -> bool:
+        """True when a connection to ``url`` is refused (nothing listens there); any answer or timeout: False."""
+        try:
+            await self._http().get(f"{url}/health", timeout=HEALTH_PROBE_TIMEOUT_S)
+        except httpx.ConnectError:
+            return True
+        except httpx.HTTPError:
+            return False
+        return False
 
     def _set_out_of_service(self, updated: Sequence[str], left_paused: Sequence[str]) -> None:
         """Record which of the engines just ``updated`` a failed update left paused (``left_paused``)."""
@@ -384,7 +437,8 @@ class Orchestrator:
         probe (unless its previous probe is still waiting, up to ``HEALTH_PROBE_TIMEOUT_S``). Any HTTP answer
         counts as an answer (a dead engine's 503 is the weight loop's business); a timeout or a refused
         connection does not. Independent of the weight loop, so a stall in the middle of a reload is
-        reported too.
+        reported too. An engine the weight loop found refusing connections (``not_listening``: a prefill or
+        decode pod still starting, published by its Service before it is ready) is not watched until it listens.
         """
         last_answer: dict[str, float] = {}
         last_problem: dict[str, str] = {}
@@ -413,6 +467,9 @@ class Orchestrator:
                         warned.pop(url, None)
                         self.stalled.pop(url, None)
                 for url in engines:
+                    if url in self.not_listening:  # a pod still starting (nothing listens): not a stall
+                        last_answer.pop(url, None), warned.pop(url, None), self.stalled.pop(url, None)
+                        continue
                     last_answer.setdefault(url, now)
                     if url not in probes or probes[url].done():
                         probes[url] = asyncio.create_task(probe(url))
@@ -806,19 +863,25 @@ class Orchestrator:
     async def run(self) -> int:
         """Run until version maxSteps is loaded on every engine; returns the exit code (0)."""
         try:
-            await self.wait_healthy()
+            await self.wait_healthy(router=False)
             next_step, cursor = self.load_resume_point()
             log.info("starting at batch %d, prompt cursor %d (maxSteps %d, maxAsyncLevel %d, maxOffPolicySteps %d)",
                      next_step, cursor, self.view.max_steps, self.view.max_async_level,
                      self.view.max_off_policy_steps)
+            # The weight loop starts before the router is waited for: under P/D in a cluster the router adds a
+            # pod only once it is Ready, i.e. serves the version this loop loads and records (the readiness of
+            # prefill and decode pods, weights.update.get_readiness).
             weights = asyncio.create_task(self.weight_loop(), name="weights")
             watchdog = asyncio.create_task(self.watchdog_loop(), name="watchdog")
             trainer_wait = asyncio.create_task(self.trainer_wait_loop(), name="trainer-wait")
-            batches = asyncio.create_task(self.batch_loop(next_step, cursor, self.load_empty_batch_streak()),
-                                          name="batches")
-            evaluation = self.evaluator.start() if self.evaluator else None  # spec.evaluation
-            tracking = asyncio.create_task(self.tracker.loop(), name="tracking") if self.tracker else None
+            batches = evaluation = tracking = None
             try:
+                if self.router_url:
+                    await _first(self.wait_healthy(), weights)  # a failing weight loop ends the wait
+                batches = asyncio.create_task(self.batch_loop(next_step, cursor, self.load_empty_batch_streak()),
+                                              name="batches")
+                evaluation = self.evaluator.start() if self.evaluator else None  # spec.evaluation
+                tracking = asyncio.create_task(self.tracker.loop(), name="tracking") if self.tracker else None
                 await asyncio.gather(batches, weights)  # the first failure of either ends the run
                 if self.evaluator:
                     await self.evaluator.finish()  # the final policy's evaluation
@@ -838,6 +901,22 @@ class Orchestrator:
                 self.tracker.close()
             if self._client is not None:
                 await self._client.aclose()
+
+
+async def _first(awaitable: Any, task: asyncio.Task) -> None:
+    """Await ``awaitable``; if ``task`` ends first, raise its error (or return if it ended without one, after
+    still awaiting ``awaitable``)."""
+    waiter = asyncio.ensure_future(awaitable)
+    try:
+        await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done() and not waiter.done() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+        await waiter
+    finally:
+        if not waiter.done():
+            waiter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiter
 
 
 @role_main("orchestrator")

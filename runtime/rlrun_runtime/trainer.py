@@ -6,7 +6,8 @@ FSDP2 (``torch.distributed.fsdp.fully_shard``) are always used, a world of one i
 packed into rows of ``microBatchTokens`` tokens, or the deprecated ``microBatchSize`` padded samples each;
 :mod:`rlrun_runtime.packing`) through the loss of :mod:`rlrun_runtime.loss` (logprobs from
 :mod:`rlrun_runtime.logprobs`, no full-vocabulary logits), clip, AdamW step, LR schedule step, publish
-``weights/step-n`` (policy version n; rank 0 writes the gathered full state dict),
+``weights/step-n`` (policy version n; rank 0 writes the gathered full state dict, with LoRA the merged one
+and the adapter: :mod:`rlrun_runtime.lora`),
 append a line to ``metrics.jsonl``, and every ``checkpoint.intervalSteps`` steps and after the last one write
 a checkpoint (:mod:`rlrun_runtime.checkpoint`). On start it resumes from the latest complete checkpoint.
 
@@ -272,12 +273,18 @@ def copy_model_files(source: str, dest: Path, revision: str | None = None) -> No
 
 
 def publish_weights(model: torch.nn.Module, transport: WeightTransport, version: int, template_dir: Path,
-                    dtype: torch.dtype, tied: bool) -> float:
+                    dtype: torch.dtype, tied: bool, lora_scale: float | None = None, lora_config: Any = None) -> float:
     """Gather the full state dict (collective) and publish it on rank 0 as ``version`` through ``transport``.
 
     The state dict is gathered to CPU (``cpu_offload``: FSDP shards never meet on one GPU) and cast to
     ``dtype``. With tied embeddings ``lm_head.weight`` is left out, as transformers saves it. The filesystem
     transport writes an HF safetensors directory (sharded above 5 GB) with the files of ``template_dir``.
+
+    With LoRA (``lora_scale`` = alpha / rank, ``lora_config`` the adapter's ``peft.LoraConfig``) the published
+    tensors are the base weights with ``scale * B @ A`` merged in (float32, then cast), under the base model's
+    names (:func:`rlrun_runtime.lora.merge_lora_state_dict`), so every transport and engine sees the model it
+    started with; the adapter itself goes beside them in PEFT's format (``adapter/`` in the published
+    directory: ``adapter_model.safetensors``, ``adapter_config.json``).
 
     Returns:
         Seconds taken.
@@ -287,10 +294,20 @@ def publish_weights(model: torch.nn.Module, transport: WeightTransport, version:
     start = time.monotonic()
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not dist.is_initialized() or dist.get_rank() == 0:
-        if tied:
-            state.pop("lm_head.weight", None)
-        state = {k: v.to(dtype).contiguous() for k, v in state.items()}
-        transport.publish(state, version, template_dir)
+        with tempfile.TemporaryDirectory(prefix="rlrun-publish-") as staging:
+            files = template_dir
+            if lora_scale is not None:
+                from .lora import merge_lora_state_dict, save_adapter
+
+                files = Path(staging)
+                for entry in template_dir.iterdir():  # the model's files, followed by the transport's copy
+                    (files / entry.name).symlink_to(entry.resolve())
+                save_adapter(state, lora_config, files / "adapter", dtype)
+                state = merge_lora_state_dict(state, lora_scale)
+            if tied:
+                state.pop("lm_head.weight", None)
+            state = {k: v.to(dtype).contiguous() for k, v in state.items()}
+            transport.publish(state, version, files)
     return time.monotonic() - start
 
 
@@ -377,23 +394,29 @@ def get_attn_implementation(cfg: TrainerView, device: torch.device) -> str:
 
 
 def build_model(model_path: str, cfg: TrainerView, device: torch.device, revision: str | None,
-                compile_layers: bool = False, checkpoint_layers: bool = False) -> Any:
+                compile_layers: bool | None = None, checkpoint_layers: bool | None = None,
+                wrap_fsdp: bool = True) -> Any:
     """Load the HF causal LM in float32 (master weights) and shard it with FSDP2.
 
     Each decoder layer is its own FSDP unit, then the root. With a bf16/fp16 ``spec.model.dtype`` the
     forward and backward run in that dtype (``MixedPrecisionPolicy`` over float32 shards, gradients reduced
     in float32), so the trainer's logprobs come from the same precision vLLM serves with while the float32
     master weights still hold updates far below bf16's resolution. The LM head is replaced by a
-    :class:`rlrun_runtime.logprobs.LogprobHead` (same weight and state-dict key). ``compile_layers``
-    compiles each decoder layer's forward with ``torch.compile`` (and the LM head's chunk arithmetic);
-    ``checkpoint_layers`` recomputes each decoder layer's activations in the backward (non-reentrant
-    activation checkpointing). Neither is a spec field yet; the benchmark uses them.
+    :class:`rlrun_runtime.logprobs.LogprobHead` (same weight and state-dict key). The rest follows the spec
+    (:func:`shard_model`): LoRA adapters (``trainer.lora``), float8 matmuls (``trainer.quantization``),
+    ``torch.compile`` of each decoder layer (``trainer.compile``), activation checkpointing
+    (``trainer.activationCheckpointing``); ``compile_layers`` and ``checkpoint_layers`` (full), when given,
+    override the spec's two switches (the benchmark's cases).
 
     Raises:
-        RoleConfigError: transformers cannot load ``model_path``.
+        RoleConfigError: transformers cannot load ``model_path``; LoRA targets match no module; fp8 on a
+            device that cannot run it.
     """
     from transformers import AutoModelForCausalLM
 
+    from .fp8 import check_quantization
+
+    check_quantization(cfg.quantization, device)  # before minutes of loading (again in shard_model)
     attn = get_attn_implementation(cfg, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, revision=revision,
@@ -402,36 +425,82 @@ def build_model(model_path: str, cfg: TrainerView, device: torch.device, revisio
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RoleConfigError(f"spec.model.name: cannot load {model_path!r} ({first}); name an HF model directory, "
                          "a reachable HF model id or rlrun-tiny") from None
-    return shard_model(model, cfg, device, compile_layers, checkpoint_layers)
+    return shard_model(model, cfg, device, compile_layers, checkpoint_layers, wrap_fsdp=wrap_fsdp,
+                       base_name=model_path)
 
 
-def shard_model(model: Any, cfg: TrainerView, device: torch.device, compile_layers: bool = False,
-                checkpoint_layers: bool = False) -> Any:
-    """The part of :func:`build_model` after loading: device, LogprobHead, optional per-layer compile and
-    activation checkpointing, FSDP2 (parameters stay gathered between forward and backward at world size 1,
-    where resharding would only copy them again)."""
+def get_checkpointed_layers(mode: str, interval: int, num_layers: int) -> list[int]:
+    """Indices of the decoder layers whose activations are recomputed in the backward
+    (``trainer.activationCheckpointing``): none -> [], full -> all, selective -> 0, k, 2k, ... (k = interval).
+
+    Raises:
+        ValueError: unknown mode or interval < 1.
+    """
+    if mode not in ("none", "full", "selective") or interval < 1:
+        raise ValueError(f"activationCheckpointing mode {mode!r} / layerInterval {interval}: use none, full or "
+                         "selective with layerInterval >= 1")
+    if mode == "none":
+        return []
+    return list(range(0, num_layers, 1 if mode == "full" else interval))
+
+
+def shard_model(model: Any, cfg: TrainerView, device: torch.device, compile_layers: bool | None = None,
+                checkpoint_layers: bool | None = None, wrap_fsdp: bool = True, base_name: str = "") -> Any:
+    """The part of :func:`build_model` after loading: device, LogprobHead, LoRA adapters (``cfg.lora_rank``
+    > 0: :func:`rlrun_runtime.lora.apply_lora`, only the adapters train), float8 linear layers (``cfg.quantization``
+    fp8: :func:`rlrun_runtime.fp8.apply_fp8`), per-layer compile and activation checkpointing (the spec's, or
+    ``compile_layers`` / ``checkpoint_layers`` when not None), FSDP2 (parameters stay gathered between forward
+    and backward at world size 1, where resharding would only copy them again).
+
+    ``wrap_fsdp=False`` (world size 1 only) leaves the model unwrapped: float32 parameters with the forward
+    under ``torch.autocast`` in the compute dtype (the Trainer enters it); the benchmark compares the two.
+
+    Raises:
+        RoleConfigError: as :func:`rlrun_runtime.lora.apply_lora` and :func:`rlrun_runtime.fp8.check_quantization`.
+        ValueError: ``wrap_fsdp=False`` with more than one rank.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from .fp8 import apply_fp8, check_quantization
+
+    check_quantization(cfg.quantization, device)
+    compile_layers = cfg.compile if compile_layers is None else compile_layers
     model.to(device)
     model.config.use_cache = False  # training never decodes; a cache also makes compiled layers recompile
     install_logprob_head(model, compiled=compile_layers)
+    if cfg.lora_rank > 0:
+        from .lora import apply_lora
+
+        apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules, base_name)
+    if cfg.quantization == "fp8":
+        apply_fp8(model)
     compute = get_torch_dtype(cfg.dtype, model.config)
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
     layers = getattr(getattr(model, "model", None), "layers", None) or []
+    if checkpoint_layers is None:
+        checkpointed = set(get_checkpointed_layers(cfg.activation_checkpointing, cfg.checkpoint_layer_interval,
+                                                   len(layers)))
+    else:
+        checkpointed = set(range(len(layers))) if checkpoint_layers else set()
     if compile_layers or model.config._attn_implementation == FLEX_ATTENTION:
         from torch import _dynamo
 
         # One compiled kernel per packed row length (GPU_ROW_MULTIPLE steps up to microBatchTokens).
         budget = (cfg.micro_batch_tokens or 0) // GPU_ROW_MULTIPLE + 8
         _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, budget)
-    reshard = dist.get_world_size() > 1 if dist.is_initialized() else True
-    for layer in layers:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if not wrap_fsdp and world > 1:
+        raise ValueError(f"wrap_fsdp=False needs a world of one, not {world} ranks")
+    reshard = world > 1 if dist.is_initialized() else True
+    for i, layer in enumerate(layers):
         if compile_layers:
             layer.forward = torch.compile(layer.forward, dynamic=False)
-        if checkpoint_layers:
+        if i in checkpointed:
             layer.forward = _checkpointed(layer.forward)
-        fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
+        if wrap_fsdp:
+            fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard)
+    if wrap_fsdp:
+        fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
     model.train()
     return model
 
@@ -447,23 +516,37 @@ def _checkpointed(forward: Any) -> Any:
 
 
 class Trainer:
-    """One rank of the trainer: model, optimizer, schedule, and the step loop (see the module docstring)."""
+    """One rank of the trainer: model, optimizer, schedule, and the step loop (see the module docstring).
+
+    ``compile_layers`` / ``checkpoint_layers`` (None: the spec's ``trainer.compile`` and
+    ``trainer.activationCheckpointing``) and ``wrap_fsdp`` (False: no FSDP2 wrapper, world size 1 only) are
+    for the benchmark (:func:`shard_model`).
+    """
 
     def __init__(self, cfg: TrainerView, storage: RunStorage, model_path: str, rank: int, world: int,
-                 device: torch.device, compile_layers: bool = False, checkpoint_layers: bool = False):
+                 device: torch.device, compile_layers: bool | None = None, checkpoint_layers: bool | None = None,
+                 wrap_fsdp: bool = True):
         self.cfg = cfg
         self.storage, self.rank, self.world, self.device = storage, rank, world, device
         self.transport = get_transport(self.cfg.weight_transport, storage)
         self.revision = self.cfg.model_revision
-        self.model = build_model(model_path, self.cfg, device, self.revision, compile_layers, checkpoint_layers)
+        self.model = build_model(model_path, self.cfg, device, self.revision, compile_layers, checkpoint_layers,
+                                 wrap_fsdp)
         config = self.model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.tied = bool(getattr(text_config, "tie_word_embeddings", False))
         self.publish_dtype = get_torch_dtype(self.cfg.dtype, config)
+        # Unwrapped (no FSDP2 mixed precision): the forward runs under autocast in the compute dtype.
+        self.autocast_dtype = self.publish_dtype if not wrap_fsdp and self.publish_dtype != torch.float32 else None
+        # LoRA: the adapter's PEFT config (peft keeps it on the model) and its scale alpha / rank.
+        self.lora_config = (getattr(self.model, "peft_config", None) or {}).get("default") if cfg.lora_rank else None
+        self.lora_scale = cfg.lora_alpha / cfg.lora_rank if cfg.lora_rank else None
         pad = getattr(text_config, "pad_token_id", None)
         self.pad_id = pad if isinstance(pad, int) else 0
+        # Only what trains (everything, or the LoRA adapters) gets gradients and optimizer state.
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         # Fused AdamW on CUDA (one kernel over all parameters); the default foreach implementation on CPU.
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.learning_rate,
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.learning_rate,
                                            weight_decay=self.cfg.weight_decay,
                                            fused=True if device.type == "cuda" else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -515,16 +598,19 @@ class Trainer:
         sums = torch.zeros(8, dtype=torch.float64, device=self.device)  # loss, 6 metrics, real tokens
         num_tokens = 0
         for i, mb in enumerate(micro_batches):
-            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            loss, mb_metrics = get_micro_batch_loss_on_device(self.model, mb, total, self.cfg, self.device,
-                                                              total_on_policy)
+            if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 (every rank count but wrap_fsdp=False)
+                self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
+                                enabled=self.autocast_dtype is not None):
+                loss, mb_metrics = get_micro_batch_loss_on_device(self.model, mb, total, self.cfg, self.device,
+                                                                  total_on_policy)
             # FSDP2 averages gradients over ranks; the loss is a sum over ranks, so undo the division.
             (loss * self.world).backward()
             sums[0] += loss.detach().double()
             sums[1:7] += mb_metrics
             num_tokens += mb.num_tokens if mb.num_loss_tokens else 0  # host tensors: no device sync
         sums[7] = float(num_tokens)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
@@ -548,6 +634,10 @@ class Trainer:
         start = self.resume()
         if self.rank == 0:
             print(f"trainer: world {self.world} on {self.device}, steps {start}..{self.cfg.max_steps}", flush=True)
+            lora = f"LoRA rank {self.cfg.lora_rank}" if self.cfg.lora_rank else "full fine-tuning"
+            print(f"trainer: {lora}, {sum(p.numel() for p in self.params)} trainable parameters, compile "
+                  f"{self.cfg.compile}, activation checkpointing {self.cfg.activation_checkpointing}, quantization "
+                  f"{self.cfg.quantization}", flush=True)
             for note in get_trainer_deprecations(self.cfg):
                 print(f"trainer: {note}", flush=True)
         for step in range(start, self.cfg.max_steps + 1):
@@ -556,7 +646,7 @@ class Trainer:
             loss, metrics, grad_norm, num_tokens, loss_tokens, lr = self.train_step(step, batch)
             train_seconds = time.monotonic() - t0
             published = publish_weights(self.model, self.transport, step, self.template_dir,
-                                        self.publish_dtype, self.tied)
+                                        self.publish_dtype, self.tied, self.lora_scale, self.lora_config)
             if self.rank == 0 or self.gauges:
                 record = get_metrics_record(step, batch, loss, metrics, grad_norm, lr, num_tokens, loss_tokens,
                                             waited, train_seconds, published)

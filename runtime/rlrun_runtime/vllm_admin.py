@@ -192,7 +192,8 @@ def parse_version(weight_version: str) -> int | None:
 def resolve_engines(endpoints: str | Iterable[str]) -> list[str]:
     """Base URLs of every engine behind ``endpoints`` (``host:port`` items, or a comma-separated string).
 
-    Each host is resolved with ``getaddrinfo`` (a headless Service name resolves to every ready pod),
+    Each host is resolved with ``getaddrinfo`` (a headless Service name resolves to every ready pod, and to
+    every pod, ready or not, for the prefill and decode Services, which publish not-ready addresses),
     so the list is re-read before every weight update. Sorted, duplicates removed.
 
     Raises:

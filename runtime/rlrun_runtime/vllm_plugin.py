@@ -1,4 +1,6 @@
-"""rlrun's vLLM general plugin: two process-level settings that vLLM 0.32 offers no flag for.
+"""rlrun's vLLM general plugin: two process-level settings that vLLM 0.32 offers no flag for, and the
+readiness endpoint of prefill and decode servers (:class:`ReadinessMiddleware`, given to vLLM's
+``--middleware``).
 
 vLLM runs general plugins (entry point group ``vllm.general_plugins``, pyproject.toml) in each process it
 starts, workers included, before they read their shared-memory rings or create a NIXL agent. Each setting is
@@ -91,3 +93,49 @@ def register() -> None:
     delay_us = get_positive_int(os.environ, constants.ENV_NIXL_PROGRESS_DELAY_US)
     if delay_us is not None:
         set_nixl_progress_delay(delay_us)
+
+
+class ReadinessMiddleware:
+    """Pure ASGI middleware of the vLLM API server (``--middleware``, set by the inference role for prefill and
+    decode servers): ``GET constants.INFERENCE_READY_PATH`` answers 200 while the server serves the run's
+    current policy version, else 503; every other request passes through untouched.
+
+    "Current" is the version the orchestrator last loaded on every engine
+    (``weights.update.read_serving_version`` under ``RLRUN_STORAGE_DIR``); the decision is
+    ``weights.update.get_readiness`` on the engine's own version (``EngineClient.get_weight_version``, what
+    ``GET /weight_info`` reports). A dead engine (``check_health`` raises) is not ready either. The JSON body
+    says why: ``{"ready": bool, "reason": str}``. This is the pod's readinessProbe in a cluster, so a pod that
+    joins (scale-up, restart) starts from the initial model, is updated by the orchestrator (which sees
+    not-ready pods: the pools' headless Services publish them) and gets traffic from the router, which adds
+    only Ready pods, once it serves the current version.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope.get("type") != "http" or scope.get("path") != constants.INFERENCE_READY_PATH:
+            await self.app(scope, receive, send)
+            return
+        from starlette.responses import JSONResponse
+
+        ready, reason = await self.readiness(scope)
+        await JSONResponse({"ready": ready, "reason": reason}, status_code=200 if ready else 503)(scope, receive, send)
+
+    async def readiness(self, scope: dict[str, Any]) -> tuple[bool, str]:
+        """(ready, reason) of this server now."""
+        from rlrun_runtime.storage import RunStorage
+        from rlrun_runtime.weights.update import get_readiness, read_serving_version
+
+        app = scope.get("app")
+        client = getattr(getattr(app, "state", None), "engine_client", None)
+        if client is None:
+            return False, "no engine client"
+        try:
+            await client.check_health()
+            version = str(await client.get_weight_version())
+        except Exception as err:  # EngineDeadError and whatever a broken engine raises: not ready, said why
+            return False, f"engine not healthy: {type(err).__name__}: {err}"
+        root = os.environ.get(constants.ENV_STORAGE_DIR, "").strip()
+        current = read_serving_version(RunStorage(root)) if root else None
+        return get_readiness(version, current)

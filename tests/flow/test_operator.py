@@ -162,7 +162,9 @@ def test_create_gives_every_child_with_labels_owner_and_status() -> None:
                 assert condition(status, "Ready")["status"] == "False"
                 assert all(c["observedGeneration"] == 1 for c in status["conditions"])
                 run = one(emu, constants.KIND, "ns1", "alpha")
-                assert run["metadata"]["finalizers"] == [constants.FINALIZER]
+                # No finalizer: the status refresh is the operator's own task, not a kopf timer (which would
+                # make kopf block every run's deletion), so a delete never waits for the operator.
+                assert not run["metadata"].get("finalizers")
                 # Each child was written exactly once (its create).
                 assert emu.write_count(CHILD_KINDS) == len(expected)
                 await wait_for(lambda: "Initializing" in event_reasons(emu, "ns1", "alpha"))
@@ -356,15 +358,43 @@ def test_delete_removes_children_through_owner_references() -> None:
     async def scenario() -> None:
         async with serve_kubernetes() as (emu, url):
             api = KubeApi(get_api_client(url))
-            async with run_operator(url, status_interval=INTERVAL):
+            async with run_operator(url, status_interval=INTERVAL) as memo:
                 await api.create(make_run("eps", "ns1"))
                 await wait_for(lambda: run_status(emu, "ns1", "eps").get("phase") == "Initializing")
                 assert len(children(emu, "ns1", "eps")) == 14
+                assert [t.get_name() for t in memo.refreshers] == ["rlrun status refresh ns1/eps"]
                 await api.delete(constants.KIND, "ns1", "eps")
                 await wait_for(lambda: not emu.find(constants.KIND, "ns1"))
                 await wait_for(lambda: not children(emu, "ns1", "eps"))
                 # The operator itself deleted nothing: the garbage collector did.
                 assert not [w for w in emu.writes if w.method == "DELETE" and w.kind in CHILD_KINDS]
+                # The run's status refresh notices it is gone, ends and forgets its metric series.
+                await wait_for(lambda: not memo.refreshers, timeout=10)
+                phases = [s for m in operator_metrics.REGISTRY.collect() for s in m.samples
+                          if s.labels.get("name") == "eps" and s.labels.get("namespace") == "ns1"]
+                assert phases == [], phases
+
+    asyncio.run(scenario())
+
+
+def test_finalizer_of_an_older_operator_is_removed_and_delete_does_not_wait() -> None:
+    """A run an older operator served carries kopf's rlrun.dev/finalizer (its status refresh was a kopf
+    timer): this operator removes only that finalizer, keeps another controller's, and a delete then waits
+    for the other controller alone."""
+    async def scenario() -> None:
+        async with serve_kubernetes() as (emu, url):
+            api = KubeApi(get_api_client(url))
+            run = make_run("old", "ns1")
+            run["metadata"]["finalizers"] = [constants.FINALIZER, "example.com/keep"]
+            await api.create(run)
+            async with run_operator(url, status_interval=INTERVAL):
+                await wait_for(lambda: run_status(emu, "ns1", "old").get("phase") == "Initializing")
+                await wait_for(lambda: one(emu, constants.KIND, "ns1", "old")["metadata"].get("finalizers")
+                               == ["example.com/keep"])
+                await api.delete(constants.KIND, "ns1", "old")
+                await wait_for(lambda: one(emu, constants.KIND, "ns1", "old")["metadata"].get("deletionTimestamp"))
+                await api.json_patch(constants.KIND, "ns1", "old", [{"op": "remove", "path": "/metadata/finalizers"}])
+                await wait_for(lambda: not emu.find(constants.KIND, "ns1"))
 
     asyncio.run(scenario())
 

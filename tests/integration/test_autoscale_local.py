@@ -1,5 +1,7 @@
 """Autoscaling in `rlrun local` with real vLLM P/D on CPU: a decode server joins, loads the current weight
-version before the router gets it, takes traffic through the router, then leaves through the router first.
+version before the router gets it, takes traffic through the router with its KV handed over by prefill (NIXL
+transfers counted on it, none failed, no handshake mismatch; its readiness endpoint follows the recorded
+serving version), then leaves through the router first.
 
 What runs: the tiny run's prefill (kv_producer) and decode (kv_consumer) servers and its router, as
 `rlrun local` plans them with autoscaling on (``get_scalable_plan``), under the real Supervisor; the
@@ -17,6 +19,7 @@ import json
 import os
 import shutil
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Callable
@@ -34,7 +37,7 @@ from rlrun_runtime.local.scaling import SERVING, router_url, server_url
 from rlrun_runtime.storage import RunStorage, atomic_directory
 from rlrun_runtime.tiny_model import ensure_model
 from rlrun_runtime.weights import get_transport
-from rlrun_runtime.weights.update import update_engines
+from rlrun_runtime.weights.update import update_engines, write_serving_version
 
 pytestmark = [pytest.mark.vllm, pytest.mark.router, pytest.mark.timeout(900)]
 P, D = c.COMPONENT_PREFILL, c.COMPONENT_DECODE
@@ -81,6 +84,23 @@ def _successes(url: str) -> float:
     return sum(v for k, v in samples.items() if k.startswith(c.VLLM_METRIC_REQUEST_SUCCESS))
 
 
+def _ready(url: str) -> tuple[int, bool]:
+    """(HTTP status, "ready" field) of ``GET constants.INFERENCE_READY_PATH`` on one server."""
+    try:
+        with urllib.request.urlopen(f"{url}{c.INFERENCE_READY_PATH}", timeout=10) as response:
+            return response.status, json.loads(response.read())["ready"]
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())["ready"]
+
+
+def _nixl(url: str) -> tuple[float, float]:
+    """(KV transfers, failed KV transfers) a decode server counted (``vllm:nixl_*`` on its /metrics)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        samples = get_samples(response.read().decode())
+    return (samples.get(f"{c.VLLM_METRIC_NIXL_TRANSFER_SECONDS}_count", 0.0),
+            samples.get(f"{c.VLLM_METRIC_NIXL_FAILED_TRANSFERS}_total", 0.0))
+
+
 def test_a_decode_server_joins_at_the_current_version_and_leaves_through_the_router(tmp_path: Path) -> None:
     path = write_run(tmp_path, **{
         "inference.disaggregation": {"enabled": True, "ratio": "1:1", "replicas": 2},
@@ -117,6 +137,8 @@ def test_a_decode_server_joins_at_the_current_version_and_leaves_through_the_rou
         urls = [server_url(prefill0), server_url(decode0)]
         updates = asyncio.run(update_engines(urls, 1, transport, prefill=[urls[0]]))
         assert sorted(u.reported_version for u in updates) == [1, 1]
+        assert [_ready(url) for url in urls] == [(200, True)] * 2  # no serving version recorded yet
+        write_serving_version(storage, 1)  # what the orchestrator records after this round
 
         scaler = LocalScaler(scalable, policy, transport, lambda fn: fn(supervisor), ports, None,
                              out / c.LOCAL_SCALING_FILE)
@@ -145,18 +167,27 @@ def test_a_decode_server_joins_at_the_current_version_and_leaves_through_the_rou
         assert servers.router == router1 and len(servers.inference) == 3 and servers.prefill == (urls[0].split("//")[1],)
         _until(f"the old router {router0.name} exits", lambda: router0.name in supervisor.exits(), 120)
 
-        before = _successes(new.url)
+        before, transfers_before = _successes(new.url), _nixl(new.url)
         for i in range(6):  # round robin over two decode servers
             assert _complete(router1, f"prompt number {i}")["choices"][0]["text"] is not None
-        assert _successes(new.url) > before, "the router never used the new decode server"
-        # Not asserted: KV transfers to the joined decode server. It started from weights/step-1 (the inference
-        # role serves the newest published weights at start) while prefill started from model/, and NIXL's
-        # handshake hashes the model path, so it refuses the transfer ("NIXL compatibility hash mismatch") and
-        # the decode server recomputes the prompt (kv_load_failure_policy recompute): answers are right, the
-        # hand-off is lost. The fix belongs to the inference role (docs/local.md "Autoscaling").
-        samples = get_samples(urllib.request.urlopen(f"{new.url}/metrics", timeout=10).read().decode())
-        print(f"{decode1.name}: {samples.get(f'{c.VLLM_METRIC_NIXL_TRANSFER_SECONDS}_count', 0):.0f} NIXL transfers, "
-              f"{samples.get(f'{c.VLLM_METRIC_NIXL_FAILED_TRANSFERS}_total', 0):.0f} failed")
+        used = _successes(new.url) - before
+        assert used > 0, "the router never used the new decode server"
+        # Its KV came from prefill over NIXL: it started from the initial model like prefill (the inference role,
+        # get_start_weights) and then loaded version 1 in place, so the handshake's compatibility hash (which
+        # covers the --model path) matches; a transfer refused would be recomputed on decode and not counted.
+        transfers, failed = _nixl(new.url)
+        print(f"{decode1.name}: {used:.0f} requests, {transfers - transfers_before[0]:.0f} NIXL transfers, "
+              f"{failed:.0f} failed")
+        assert transfers - transfers_before[0] >= used and failed == 0
+        log_text = decode1.log_path.read_text(errors="replace")
+        assert "compatibility hash mismatch" not in log_text and "NIXL compatibility check passed" in log_text
+
+        # its readiness endpoint (a cluster's readinessProbe) follows the version the orchestrator records
+        assert _ready(new.url) == (200, True)
+        write_serving_version(storage, 2)
+        assert _ready(new.url) == (503, False) and _ready(server_url(prefill0)) == (503, False)
+        write_serving_version(storage, 1)
+        assert _ready(new.url) == (200, True)
 
         # scale-down: decode 2 -> 1 takes the newest decode server out of the router, then stops it
         scaler.apply({P: 1, D: 1})

@@ -1,8 +1,9 @@
 """The trainer as real processes (torchrun on CPU, gloo, FSDP2) on a tiny random Qwen3 with synthetic batches:
 weights published per step and loadable by transformers, metrics lines and Prometheus gauges, checkpoints,
 SIGKILL mid-run and resume with no lost or repeated step (and the same final weights as an uninterrupted run
-on two ranks), with packed micro-batches (algorithm.microBatchTokens),
-bad input exits 2 (the pure parts are in tests/unit/test_trainer_role.py)."""
+on two ranks), with packed micro-batches (algorithm.microBatchTokens), the same for LoRA (merged weights and
+the adapter published, 2 ranks vs 1 rank resumed), bad input exits 2 (the pure parts are in
+tests/unit/test_trainer_role.py and tests/unit/test_trainer_features.py)."""
 
 from __future__ import annotations
 
@@ -143,7 +144,8 @@ def test_trainer_publishes_checkpoints_and_resumes_after_sigkill(tmp_path):
         _write_batch(storage, step)
     out = _finish(_start(config, storage))
     assert f"steps 3..{MAX_STEPS}" in out
-    assert "deprecated" not in out  # microBatchTokens is set: microBatchSize is not read
+    # microBatchTokens is set: microBatchSize is not read (other libraries' warnings may say "deprecated")
+    assert "spec.algorithm.microBatchSize" not in out
     assert _steps(storage) == [1, 2, 3, 4, 5]
     assert find_latest_checkpoint(storage) == 5
     assert sorted(p.name for p in storage.checkpoints_dir.iterdir()) == ["step-000004", "step-000005"]
@@ -202,3 +204,49 @@ def test_missing_model_path_exits_2_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "spec.model.name" in proc.stderr and "no-such-model" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _write_lora_config(tmp: Path, model: str, max_steps: int) -> Path:
+    config = yaml.safe_load(_write_config(tmp, model).read_text())
+    config["spec"]["algorithm"].update(maxSteps=max_steps, lrSchedule="constant", learningRate=1e-2)
+    config["spec"]["trainer"].update(lora={"rank": 4, "alpha": 8, "targetModules": ["q_proj", "v_proj", "down_proj"]})
+    path = tmp / f"lora-{max_steps}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.timeout(900)
+def test_lora_trainer_publishes_merged_weights_and_adapter_and_resumes(tmp_path):
+    """LoRA through torchrun: 3 steps on 2 FSDP2 ranks straight, and on 1 rank as 2 steps, a stop and a resume
+    from checkpoint 2; both publish base + merged delta under the base names (transformers loads them, the
+    attention and MLP targets moved, the rest is the base bit for bit) with the PEFT adapter beside them, and
+    end with the same weights (adapters and optimizer state restored, the rank split changes nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = save_model_dir(tmp_path / "model")
+    straight, resumed = RunStorage(tmp_path / "straight"), RunStorage(tmp_path / "resumed")
+    for storage in (straight, resumed):
+        for step in (1, 2, 3):
+            write_batch(storage, step)
+    assert "world 2" in _finish(_start(_write_lora_config(tmp_path, str(model_dir), 3), straight, nproc=2))
+    _finish(_start(_write_lora_config(tmp_path, str(model_dir), 2), resumed))
+    assert find_latest_checkpoint(resumed) == 2
+    assert "steps 3..3" in _finish(_start(_write_lora_config(tmp_path, str(model_dir), 3), resumed))
+    assert _steps(resumed) == [1, 2, 3]
+
+    base = load_file(model_dir / "model.safetensors")
+    final = {}
+    for storage in (straight, resumed):
+        out = storage.weights(3)
+        published = load_file(out / "model.safetensors")
+        assert published.keys() == base.keys()
+        moved = {k for k in base if not torch.equal(published[k], base[k])}
+        assert moved == {k for k in base if k.split(".")[-2] in ("q_proj", "v_proj", "down_proj")}
+        adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+        assert len(adapter) == 2 * 3 * 2 and all(k.startswith("base_model.model.model.layers.") for k in adapter)
+        assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 4
+        AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)  # loadable as a plain model
+        final[storage.root.name] = published
+    for key in base:  # same tolerance and reason as the full fine-tuning test above
+        torch.testing.assert_close(final["resumed"][key], final["straight"][key], atol=1e-4, rtol=1e-4,
+                                   msg=lambda detail, key=key: f"{key}: {detail}")

@@ -35,6 +35,7 @@ OPTIONAL_IMPORTS = {
     "nixl": "rlrun's vLLM plugin sets NIXL's progress-thread pause only where NIXL is installed (the image has it)",
     "wandb": "pyproject's tracking extra, for spec.tracking.wandb only; the orchestrator exits 2 naming the extra",
     "tensorboardX": "pyproject's tracking extra, for spec.tracking.tensorboard only; the orchestrator exits 2 naming it",
+    "torchao": "pyproject's gpu extra, for spec.trainer.quantization: fp8 only (GPU); the trainer exits 2 naming it",
 }
 # What runtime/Dockerfile builds from source and installs as wheels (distribution names), besides the
 # `nixl` dispatcher it installs by name.
@@ -42,7 +43,7 @@ SOURCE_BUILT = {"nixl-cu13": "/src/nixl-${NIXL_VERSION}", "deep-ep": "/src/DeepE
 # Distributions of pyproject's `runtime` extra that the image gets otherwise than from the `gpu` extra
 # (nixl: built from source), and of the `gpu` extra that the CPU `runtime` extra does not have yet.
 RUNTIME_ONLY = {"nixl"}
-GPU_ONLY = {"torchtitan"}
+GPU_ONLY = {"torchtitan", "torchao"}  # torchao: float8 training is GPU-only, and on CPU it logs load failures
 # The only host any URL in the images may name: the source-code host of UCX, NIXL and DeepEP releases.
 SOURCE_HOST = "github.com"
 

@@ -37,8 +37,9 @@ def test_unimplemented_spec_fields_are_refused():
 
     assert get_unsupported_fields(spec(), world_size=2) == []
     assert get_unsupported_fields(spec(parallelism={"fsdp": 2}), world_size=2) == []
+    assert get_unsupported_fields(spec(lora={"rank": 8}), world_size=1) == []  # LoRA is implemented
     found = get_unsupported_fields(spec(lora={"rank": 8}, quantization="fp8", parallelism={"cp": 2, "fsdp": 4}), 2)
-    assert [f.split(":")[0] for f in found] == ["spec.trainer.lora.rank", "spec.trainer.quantization",
+    assert [f.split(":")[0] for f in found] == ["spec.trainer.quantization",  # fp8 with LoRA
                                                 "spec.trainer.parallelism.cp", "spec.trainer.parallelism.fsdp"]
 
 

@@ -83,7 +83,8 @@ def render_inference(rlrun: dict[str, Any], names: dict[str, str], claim_name: s
     """(Services, Deployments) of the inference pools, one headless Service + Deployment per component.
 
     Deployment replicas = the seed of get_inference_pools, 0 when spec.suspend. GPUs = gpusPerReplica.
-    Probes: vLLM's /health on the http port (startup probe allows an hour for download and load).
+    Probes: get_inference_probes. The prefill and decode Services publish not-ready pods (the orchestrator
+    must reach a joining pod to load the current version into it; the router adds only Ready pods).
     terminationGracePeriodSeconds = INFERENCE_TERMINATION_GRACE_SECONDS: the server drains on SIGTERM.
     With GPUs (gpusPerReplica > 0) the rollout strategy is RollingUpdate with maxSurge 0, maxUnavailable 1
     (get_gpu_rollout): Kubernetes' default (25 % surge) would need spare GPUs for the extra pod and stall
@@ -106,7 +107,7 @@ def render_inference(rlrun: dict[str, Any], names: dict[str, str], claim_name: s
             role_env=get_inference_env(rlrun, component),
             ports=ports,
             resources=get_resources(inference.get("resources"), inference["gpusPerReplica"]),
-            probes=get_http_probes("/health", PORT_HTTP),
+            probes=get_inference_probes(component),
             shm=True,
         )
         template = render_pod_template(
@@ -120,7 +121,8 @@ def render_inference(rlrun: dict[str, Any], names: dict[str, str], claim_name: s
         )
         # vLLM drains on SIGTERM for up to INFERENCE_DRAIN_SECONDS (Kubernetes' default grace is 30 s).
         template["spec"]["terminationGracePeriodSeconds"] = c.INFERENCE_TERMINATION_GRACE_SECONDS
-        services.append(render_service(rlrun, name, component, [(PORT_HTTP, c.INFERENCE_PORT)], headless=True))
+        services.append(render_service(rlrun, name, component, [(PORT_HTTP, c.INFERENCE_PORT)], headless=True,
+                                       publish_not_ready=component != c.COMPONENT_INFERENCE))
         deployments.append(
             {
                 "apiVersion": "apps/v1",
@@ -135,6 +137,24 @@ def render_inference(rlrun: dict[str, Any], names: dict[str, str], claim_name: s
             }
         )
     return services, deployments
+
+
+def get_inference_probes(component: str) -> dict[str, Any]:
+    """Probes of an inference container: startup and liveness on vLLM's ``/health`` (the startup probe allows
+    an hour for download and load); readiness on ``/health`` for a single pool, and on
+    ``constants.INFERENCE_READY_PATH`` for prefill and decode: 200 only while the server serves the version
+    the orchestrator last loaded on every engine (``rlrun_runtime.vllm_plugin.ReadinessMiddleware``).
+
+    Why only P/D: a prefill or decode server always starts from the initial model (NIXL's handshake compares
+    the ``--model`` path, ``rlrun_runtime.inference.get_start_weights``), so a pod that joins after an update
+    (scale-up, or a replaced pod) serves version 0 until the orchestrator's weight loop loads the current
+    version into it (it finds the pod through the Service, which publishes not-ready pods); the router's
+    Kubernetes discovery adds a pod only once it is Ready, so it gets no traffic before that. A single pool's
+    pod starts from the newest published weights and keeps vLLM's ``/health``.
+    """
+    if component == c.COMPONENT_INFERENCE:
+        return get_http_probes("/health", PORT_HTTP)
+    return get_http_probes("/health", PORT_HTTP, readiness_path=c.INFERENCE_READY_PATH)
 
 
 def get_gpu_rollout() -> dict[str, Any]:

@@ -7,7 +7,10 @@ Process starts and stops go through ``call`` (:class:`SupervisorCalls` runs them
 
 A server that joins (scale-up), in order:
 
-1. its process starts (a pod of the pool's Deployment: the plan's spare slot with its own ports);
+1. its process starts (a pod of the pool's Deployment: the plan's spare slot with its own ports), from the
+   initial model like the servers already running (``inference.get_start_weights``: NIXL's handshake
+   compares the ``--model`` path, so a server started from ``weights/step-N`` would refuse KV transfers
+   with them);
 2. once ``GET /health`` answers, it loads the version the serving servers report (``GET /weight_info``;
    the highest when they differ) through the run's transport and the one update sequence
    (``weights.update.update_engines``; a new vLLM server reports ``default`` until it is named);

@@ -97,11 +97,15 @@ class FilesystemTransport(WeightTransport):
         return removed
 
     def publish(self, state_dict: dict[str, Any], version: int, template_dir: Any) -> None:
-        """Write ``state_dict`` with ``huggingface_hub.save_torch_state_dict`` plus the files of
-        ``template_dir``; the directory appears at ``path(version)`` atomically (replacing an older one)."""
+        """Write ``state_dict`` with ``huggingface_hub.save_torch_state_dict`` plus the entries of
+        ``template_dir`` (files, links followed, and folders such as a LoRA run's ``adapter/``); the directory
+        appears at ``path(version)`` atomically (replacing an older one)."""
         from huggingface_hub import save_torch_state_dict
 
         with atomic_directory(self.path(version)) as tmp:
             save_torch_state_dict(state_dict, tmp, max_shard_size=MAX_SHARD_SIZE)
             for entry in Path(template_dir).iterdir():
-                shutil.copy2(entry, tmp / entry.name)
+                if entry.is_dir():
+                    shutil.copytree(entry, tmp / entry.name)
+                else:
+                    shutil.copy2(entry, tmp / entry.name)

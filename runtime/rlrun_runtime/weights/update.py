@@ -37,10 +37,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
+from pathlib import Path
 from typing import Iterable, Sequence
 
+from rlrun_api import constants
+from rlrun_runtime.storage import RunStorage, atomic_write_json
 from rlrun_runtime.vllm_admin import (DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, EngineError, EngineOutOfService, VLLMAdmin,
                                       parse_version)
 from rlrun_runtime.weights.transport import WeightTransport
@@ -220,3 +224,51 @@ async def update_engines(engines: Sequence[str], version: int, transport: Weight
                           f"{len(failures)} engines failed: " + "; ".join(str(f) for f in failures),
                           out_of_service=tuple(u for f in failures for u in getattr(f, "out_of_service", ())))
     return [r for r in results if isinstance(r, EngineUpdate)]
+
+
+# --- the version the run serves (readiness of prefill and decode servers) --------------------------------
+def serving_version_file(storage: RunStorage) -> Path:
+    """``<storage>/orchestrator/serving-version.json`` (``constants.SERVING_VERSION_FILE``)."""
+    return storage.root / constants.SERVING_VERSION_FILE
+
+
+def write_serving_version(storage: RunStorage, version: int) -> None:
+    """Record ``version`` as the one every engine serves: ``{"version": N, "time": unix seconds}``, written
+    atomically by the orchestrator after each round that brought every reachable engine to it."""
+    atomic_write_json(serving_version_file(storage), {"version": int(version), "time": time.time()})
+
+
+def read_serving_version(storage: RunStorage) -> int | None:
+    """The version :func:`write_serving_version` last recorded; None when there is no record yet (before the
+    orchestrator's first round) or it cannot be read or parsed (a reader never fails on it)."""
+    try:
+        version = json.loads(serving_version_file(storage).read_text(encoding="utf-8"))["version"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return version if isinstance(version, int) and version >= 0 else None
+
+
+def get_readiness(weight_version: str, current: int | None) -> tuple[bool, str]:
+    """Whether a prefill or decode server that reports ``weight_version`` (``GET /weight_info``) may get
+    traffic, and why (pure).
+
+    Args:
+        weight_version: what the server reports; vLLM's initial ``"default"`` counts as version 0, the
+            initial model every prefill and decode server starts from (``inference.get_start_weights``).
+        current: :func:`read_serving_version` (None: no record yet, i.e. the run's first round has not
+            happened: every server serves the initial model, ready).
+
+    Returns:
+        (ready, reason): ready when ``current`` is None or the server's version is at least ``current`` (a
+        server already moved to the next version during an update round stays ready).
+    """
+    served = parse_version(weight_version)
+    if served is None:
+        if weight_version.strip() != "default":
+            return False, f"unknown weight version {weight_version!r}"
+        served = 0
+    if current is None:
+        return True, f"serves version {served}; no serving version recorded yet"
+    if served < current:
+        return False, f"serves version {served}, the run serves {current}: waiting for the orchestrator to load it"
+    return True, f"serves version {served} (the run serves {current})"

@@ -1,0 +1,236 @@
+"""A prefill or decode pod that joins a running P/D run (scale-up or a replaced pod), as in a cluster: the
+orchestrator's weight loop finds it through the Service (which publishes not-ready pods), leaves it out while
+nothing listens yet, loads the current version into it once it does, and the pod's readiness endpoint (the
+real ``ReadinessMiddleware``, the readinessProbe the operator renders) says 503 until then and 200 after.
+
+The engines are stand-ins speaking vLLM's admin API over real HTTP (an ASGI app served by uvicorn, with the
+middleware applied the way vLLM applies ``--middleware``); the orchestrator, the update sequence, the
+filesystem transport and the serving-version record are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from rlrun_api import constants as c
+from rlrun_api.spec import apply_defaults
+from rlrun_api.views import OrchestratorView
+from rlrun_runtime.storage import RunStorage, atomic_directory
+from rlrun_runtime.vllm_admin import EngineError
+from rlrun_runtime.vllm_plugin import ReadinessMiddleware
+from rlrun_runtime.weights.update import read_serving_version
+from vllm_role import LOOPBACK, free_port, tiny_rlrun
+
+START_S = 30.0  # a stand-in engine's start, on a loaded machine
+
+
+class StandInEngine:
+    """vLLM's admin API as the orchestrator uses it (records every POST), plus ``state.engine_client`` for the
+    readiness middleware; ``broken``: ``GET /weight_info`` answers 500."""
+
+    def __init__(self, port: int, version: str = "default"):
+        self.port, self.version, self.broken = port, version, False
+        self.hang_health = self.stopping = False  # hang_health: GET /health never answers (a stalled engine)
+        self.calls: list[str] = []
+        app = Starlette(routes=[Route("/health", self.health), Route("/weight_info", self.weight_info),
+                                Route("/{path:path}", self.post, methods=["POST"])])
+        app.add_middleware(ReadinessMiddleware)
+        app.state.engine_client = self
+        self.server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def start(self) -> "StandInEngine":
+        self.thread.start()
+        deadline = time.monotonic() + START_S
+        while not self.server.started:
+            assert time.monotonic() < deadline, f"stand-in engine on {self.port} not up within {START_S} s"
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.server.should_exit = True
+        self.thread.join(timeout=START_S)
+
+    # the engine client the middleware asks
+    async def check_health(self) -> None:
+        return None
+
+    async def get_weight_version(self) -> str:
+        return self.version
+
+    # vLLM's routes
+    async def health(self, request: Request) -> JSONResponse:
+        while self.hang_health and not self.stopping:
+            await asyncio.sleep(0.05)
+        return JSONResponse({})
+
+    async def weight_info(self, request: Request) -> JSONResponse:
+        if self.broken:
+            return JSONResponse({"error": "broken"}, status_code=500)
+        return JSONResponse({"weight_version": self.version})
+
+    async def post(self, request: Request) -> JSONResponse:
+        path = "/" + request.path_params["path"]
+        self.calls.append(path)
+        body = await request.body()
+        if path == "/update_weight_version":
+            self.version = json.loads(body)["new_version"]
+        return JSONResponse({"success": True} if path == "/reset_prefix_cache" else {"status": "ok"})
+
+    def ready(self) -> int:
+        return httpx.get(f"{self.url}{c.INFERENCE_READY_PATH}", timeout=10).status_code
+
+
+@pytest.fixture
+def engines():
+    started: list[StandInEngine] = []
+
+    def start(port: int | None = None, version: str = "default") -> StandInEngine:
+        engine = StandInEngine(port or free_port(), version).start()
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        engine.stop()
+
+
+def publish(storage: RunStorage, version: int) -> None:
+    """A stand-in version: one whole safetensors file (one F32 tensor ``w`` of 2 values)."""
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    with atomic_directory(storage.weights(version)) as tmp:
+        (tmp / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+
+
+def pd_orchestrator(storage: RunStorage, endpoints: list[str], prefill: list[str], **kwargs):
+    from rlrun_runtime.orchestrator import Orchestrator
+    from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
+
+    rlrun = tiny_rlrun()
+    rlrun["spec"]["inference"]["disaggregation"] = {"enabled": True, "replicas": 2}
+    view = OrchestratorView.from_spec(apply_defaults(rlrun)["spec"])
+    return Orchestrator(view, storage, None, None, endpoints, None, OrchestratorMetrics(max_steps=5),
+                        prefill_endpoints=prefill, **kwargs)
+
+
+def test_a_joining_decode_pod_is_loaded_before_it_is_ready(tmp_path, monkeypatch, engines):
+    monkeypatch.setenv(c.ENV_STORAGE_DIR, str(tmp_path))  # where the middleware reads the record
+    storage = RunStorage(tmp_path)
+    prefill, decode = engines(), engines()
+    joining_port = free_port()  # the new decode pod: published by its Service, vLLM not listening yet
+    joining_url = f"http://{LOOPBACK}:{joining_port}"
+    addresses = [f"{LOOPBACK}:{e.port}" for e in (prefill, decode)] + [f"{LOOPBACK}:{joining_port}"]
+    orchestrator = pd_orchestrator(storage, addresses, addresses[:1])
+    assert prefill.ready() == 200  # before the first round nothing is recorded: the initial model serves
+
+    # round 1: the two running servers are named version 0, the starting pod is left out, nothing fails
+    asyncio.run(orchestrator.sync_weights_once())
+    assert prefill.version == decode.version == "0" and orchestrator.loaded_version == 0
+    assert orchestrator.not_listening == {joining_url} and read_serving_version(storage) == 0
+
+    # the trainer publishes version 1: both running servers load it (P/D order), the record follows
+    publish(storage, 1)
+    asyncio.run(orchestrator.sync_weights_once())
+    assert prefill.version == decode.version == "1" and read_serving_version(storage) == 1
+    assert "/collective_rpc" in prefill.calls and "/collective_rpc" in decode.calls
+
+    # the pod's vLLM now listens, serving the initial model ("default"): not ready, so the router skips it
+    joined = engines(joining_port)
+    assert joined.ready() == 503
+    prefill.calls.clear(), decode.calls.clear()
+    asyncio.run(orchestrator.sync_weights_once())
+    assert joined.version == "1" and joined.ready() == 200  # loaded, then ready
+    assert joined.calls == ["/pause", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache", "/resume"]
+    assert prefill.calls == decode.calls == []  # the servers already at version 1 are left alone
+    assert orchestrator.not_listening == set() and read_serving_version(storage) == 1
+
+    # a newer version: every server moves, and each stays ready through the round (>= the record)
+    publish(storage, 2)
+    asyncio.run(orchestrator.sync_weights_once())
+    assert {e.version for e in (prefill, decode, joined)} == {"2"} and read_serving_version(storage) == 2
+    assert {e.ready() for e in (prefill, decode, joined)} == {200}
+
+
+def test_an_engine_that_listens_but_fails_still_fails_the_round(tmp_path, engines):
+    storage = RunStorage(tmp_path)
+    good, broken = engines(), engines()
+    broken.broken = True
+    orchestrator = pd_orchestrator(storage, [f"{LOOPBACK}:{e.port}" for e in (good, broken)], [f"{LOOPBACK}:{good.port}"])
+    with pytest.raises(EngineError, match="HTTP 500"):
+        asyncio.run(orchestrator.sync_weights_once())
+    assert read_serving_version(storage) is None and orchestrator.not_listening == set()
+
+
+def test_when_no_engine_listens_the_round_fails(tmp_path):
+    storage = RunStorage(tmp_path)
+    orchestrator = pd_orchestrator(storage, [f"{LOOPBACK}:{free_port()}", f"{LOOPBACK}:{free_port()}"], [])
+    with pytest.raises(EngineError):
+        asyncio.run(orchestrator.sync_weights_once())
+    assert read_serving_version(storage) is None
+
+
+def test_the_watchdog_reports_a_stalled_engine_but_not_a_pod_still_starting(tmp_path, engines, caplog):
+    """Both are watched from the same moment with the same bound: the stalled one (accepts connections, never
+    answers /health) is reported, the starting one (nothing listens) is not, then or later."""
+    storage = RunStorage(tmp_path)
+    stalled = engines()
+    starting_port = free_port()
+    starting_url = f"http://{LOOPBACK}:{starting_port}"
+    orchestrator = pd_orchestrator(storage, [f"{LOOPBACK}:{stalled.port}", f"{LOOPBACK}:{starting_port}"], [],
+                                   stall_after_s=0.5, watchdog_poll_s=0.05)
+
+    async def scenario():
+        await orchestrator.sync_weights_once()
+        assert orchestrator.not_listening == {starting_url}
+        stalled.hang_health = True
+        watchdog = asyncio.create_task(orchestrator.watchdog_loop())
+        try:
+            deadline = time.monotonic() + 30
+            while stalled.url not in orchestrator.stalled:
+                assert time.monotonic() < deadline, "the stalled engine was never reported"
+                await asyncio.sleep(0.02)
+            assert starting_url not in orchestrator.stalled
+        finally:
+            watchdog.cancel()
+            await asyncio.gather(watchdog, return_exceptions=True)
+
+    with caplog.at_level("WARNING", logger="rlrun.orchestrator"):
+        asyncio.run(scenario())
+    warned = [r.getMessage() for r in caplog.records if "has not answered" in r.getMessage()]
+    assert warned and all(m.startswith(f"engine {stalled.url} has") for m in warned)
+
+
+def test_startup_waits_for_one_engine_per_service_not_for_a_pod_that_never_listens(tmp_path, monkeypatch, engines):
+    """A decode Service that publishes a crash-looping pod (nothing ever listens) does not hold the run's start
+    once another decode pod is healthy; a Service whose only pod does not listen yet does."""
+    from rlrun_runtime import orchestrator as orchestrator_module
+
+    storage = RunStorage(tmp_path)
+    prefill, decode = engines(), engines()
+    dead = f"http://{LOOPBACK}:{free_port()}"
+    services = {"prefill:8000": [prefill.url], "decode:8000": [decode.url, dead], "empty:8000": [dead]}
+    monkeypatch.setattr(orchestrator_module, "resolve_engines", lambda items: sorted(
+        url for item in items for url in services[item]))
+    orch = pd_orchestrator(storage, ["prefill:8000", "decode:8000"], ["prefill:8000"], health_timeout_s=20)
+    started = time.monotonic()
+    assert asyncio.run(orch.wait_healthy(router=False)) == [prefill.url, decode.url]
+    assert time.monotonic() - started < 10
+    waiting = pd_orchestrator(storage, ["prefill:8000", "empty:8000"], ["prefill:8000"], health_timeout_s=2)
+    with pytest.raises(orchestrator_module.OrchestratorError, match=f"engine {dead} not listening yet"):
+        asyncio.run(waiting.wait_healthy(router=False))

@@ -1,0 +1,156 @@
+"""A prefill or decode server that joins late: it starts from the initial model (NIXL's handshake hashes the
+``--model`` path), and its readiness says whether it serves the run's current version. Pure parts, the
+readiness middleware on a stand-in ASGI app, and the rendered probes and Services."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from rlrun_api import constants as c
+from rlrun_api.spec import apply_defaults
+from rlrun_operator.render import render
+from rlrun_runtime.inference import READINESS_MIDDLEWARE, get_start_weights, get_vllm_args
+from rlrun_runtime.storage import RunStorage
+from rlrun_runtime.vllm_plugin import ReadinessMiddleware
+from rlrun_runtime.weights.update import (get_readiness, read_serving_version, serving_version_file,
+                                          write_serving_version)
+from vllm_role import tiny_rlrun
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def pd_spec() -> dict:
+    rlrun = tiny_rlrun()
+    rlrun["spec"]["inference"]["disaggregation"] = {"enabled": True, "replicas": 2}
+    return apply_defaults(rlrun)["spec"]
+
+
+# --- where a server starts from --------------------------------------------------------------------------
+def test_prefill_and_decode_start_from_the_initial_model_a_single_pool_from_the_newest_weights():
+    newest = (3, Path("/data/weights/step-000003"))
+    assert get_start_weights(c.INFERENCE_ROLE_PREFILL, newest) is None
+    assert get_start_weights(c.INFERENCE_ROLE_DECODE, newest) is None
+    assert get_start_weights(c.INFERENCE_ROLE_BOTH, newest) == newest
+    assert get_start_weights(c.INFERENCE_ROLE_BOTH, None) is None
+
+
+@pytest.fixture(scope="module")
+def vllm_parser():
+    """vLLM 0.32's real OpenAI-server argument parser."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+@pytest.mark.parametrize("role,middleware", [("prefill", [READINESS_MIDDLEWARE]), ("decode", [READINESS_MIDDLEWARE]),
+                                             ("both", [])])
+def test_only_prefill_and_decode_servers_get_the_readiness_middleware(vllm_parser, role, middleware):
+    parsed = vllm_parser.parse_args(get_vllm_args(pd_spec(), role, "/data/model", 8000))
+    assert parsed.middleware == middleware
+    module, name = READINESS_MIDDLEWARE.rsplit(".", 1)
+    assert getattr(__import__(module, fromlist=[name]), name) is ReadinessMiddleware
+
+
+# --- the version the run serves and the readiness decision -----------------------------------------------
+@pytest.mark.parametrize("reported,current,ready", [
+    ("default", None, True),   # the run's first round has not happened: every server serves the initial model
+    ("default", 0, True),      # vLLM's initial name is the initial model, version 0
+    ("default", 3, False),     # joined after version 3 was loaded: not yet updated
+    ("2", 3, False),
+    ("3", 3, True),
+    ("4", 3, True),            # moved to the next version during an update round: stays ready
+    ("v3", 3, False),          # not a version rlrun names
+    ("junk", None, False),
+])
+def test_readiness_is_serving_at_least_the_recorded_version(reported, current, ready):
+    got, reason = get_readiness(reported, current)
+    assert got is ready and reason
+
+
+def test_the_serving_version_record_round_trips_and_a_bad_one_reads_as_none(tmp_path):
+    storage = RunStorage(tmp_path)
+    assert read_serving_version(storage) is None  # no record yet
+    write_serving_version(storage, 7)
+    assert serving_version_file(storage) == tmp_path / c.SERVING_VERSION_FILE
+    assert read_serving_version(storage) == 7
+    for text in ("{", '{"version": "7"}', '{"version": -1}', "[]"):
+        serving_version_file(storage).write_text(text)
+        assert read_serving_version(storage) is None, text
+
+
+# --- the middleware, on a stand-in of vLLM's app (state.engine_client) -----------------------------------
+class StandInEngineClient:
+    def __init__(self, version: str = "default", dead: bool = False):
+        self.version, self.dead = version, dead
+
+    async def check_health(self) -> None:
+        if self.dead:
+            raise RuntimeError("EngineCore died")
+
+    async def get_weight_version(self) -> str:
+        return self.version
+
+
+def app_with(client: StandInEngineClient) -> TestClient:
+    app = Starlette(routes=[Route("/health", lambda request: PlainTextResponse("ok"))])
+    app.add_middleware(ReadinessMiddleware)  # how vLLM applies a --middleware class
+    app.state.engine_client = client
+    return TestClient(app)
+
+
+def test_the_middleware_answers_the_ready_path_from_the_engine_and_the_record(tmp_path, monkeypatch):
+    monkeypatch.setenv(c.ENV_STORAGE_DIR, str(tmp_path))
+    storage = RunStorage(tmp_path)
+    client = StandInEngineClient("default")
+    http = app_with(client)
+    assert http.get("/health").text == "ok"  # every other path passes through
+    response = http.get(c.INFERENCE_READY_PATH)
+    assert response.status_code == 200 and response.json()["ready"] is True  # no record yet
+    write_serving_version(storage, 2)
+    response = http.get(c.INFERENCE_READY_PATH)
+    assert response.status_code == 503 and response.json() == {
+        "ready": False, "reason": "serves version 0, the run serves 2: waiting for the orchestrator to load it"}
+    client.version = "2"
+    assert http.get(c.INFERENCE_READY_PATH).status_code == 200
+    client.dead = True
+    response = http.get(c.INFERENCE_READY_PATH)
+    assert response.status_code == 503 and "EngineCore died" in response.json()["reason"]
+
+
+# --- what the operator renders ---------------------------------------------------------------------------
+def rendered(name: str) -> list[dict]:
+    rlrun = yaml.safe_load((EXAMPLES / f"rlrun-{name}.yaml").read_text())
+    rlrun["metadata"].update({"namespace": "rl-test", "uid": "6f1c2a4e-0000-4000-8000-000000000001"})
+    return render(apply_defaults(rlrun))
+
+
+@pytest.mark.parametrize("example", ["complete", "qwen3-4b-math-pd-autoscaling"])
+def test_prefill_and_decode_pods_are_ready_only_at_the_current_version_and_published_before(example):
+    objects = rendered(example)
+    pools = [o for o in objects if o["kind"] == "Deployment"
+             and o["metadata"]["labels"][c.LABEL_COMPONENT] in (c.COMPONENT_PREFILL, c.COMPONENT_DECODE)]
+    assert len(pools) == 2
+    for deployment in pools:
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        assert container["readinessProbe"]["httpGet"] == {"path": c.INFERENCE_READY_PATH, "port": "http"}
+        assert container["startupProbe"]["httpGet"]["path"] == container["livenessProbe"]["httpGet"]["path"] == "/health"
+        service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == deployment["metadata"]["name"])
+        assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_a_single_pool_keeps_health_readiness_and_publishes_ready_pods_only():
+    objects = rendered("tiny")
+    deployment = next(o for o in objects if o["kind"] == "Deployment"
+                      and o["metadata"]["labels"][c.LABEL_COMPONENT] == c.COMPONENT_INFERENCE)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == deployment["metadata"]["name"])
+    assert "publishNotReadyAddresses" not in service["spec"]
