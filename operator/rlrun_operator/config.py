@@ -23,8 +23,8 @@ class OperatorConfig:
         watch_server_timeout_s, watch_client_timeout_s: kopf's watch timeouts (the server closes the watch
             first; the client gives up a little later), so a silently dead watch is re-opened.
         connect_timeout_s, request_timeout_s: kopf's API connection and request timeouts.
-        stop_timeout_s: on exit, how long kopf waits for a status timer to return after telling it to stop
-            (a refresh in flight is cancelled at once; kopf's settings.background.instant_exit_timeout).
+        stop_timeout_s: on exit, how long the cleanup handler waits for the runs' status-refresh tasks it
+            cancelled (a refresh in flight is cancelled at once: ``handlers.start_refresher``).
         namespaces: the namespaces served (``--namespace``); empty: every namespace (cluster-wide).
         metrics_port: port of the operator's Prometheus metrics (``--metrics-port``; 0: not served).
         health_port: port of kopf's liveness endpoint ``/healthz`` (``--health-port``; 0: not served).

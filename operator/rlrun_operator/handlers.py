@@ -23,14 +23,16 @@ each run's own :class:`rlrun_operator.reconcile.RunState` in ``run``. Handlers:
 - delete (optional, no finalizer: it runs only while another controller's finalizer holds the run): forget
   the run's metric series.
 
-Status writes: the handlers and the timer of one run run concurrently in kopf, so each status write holds
+Status writes: the handlers and the status refresh of one run run concurrently, so each status write holds
 a per-run lock, reads the RLRun afresh, computes the wanted status against that fresh status and sends a
-merge patch to the status subresource only when something changed (an idle resync writes nothing).
+merge patch to the status subresource only when something changed (an idle resync writes nothing), with the
+read's resourceVersion as a precondition (``publish_status``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any, Awaitable, Callable, Mapping
 
@@ -83,11 +85,28 @@ class GenerationDiffBase(kopf.DiffBaseStorage):
     with the update handler's ``field="spec"`` before.
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        # uid -> the generation this process's last reconcile handled. Watch events can reach kopf out of
+        # order with respect to the status writes (a refresh's write read before the reconcile's lands after
+        # it), so a stale event's status may name an older generation than was handled: the newer one wins.
+        self.handled: dict[str, int] = {}
+
+    def record(self, uid: str, generation: int) -> None:
+        """Remember that a reconcile handled ``generation`` of run ``uid`` (after its status write)."""
+        self.handled[uid] = max(generation, self.handled.get(uid, 0))
+
+    def forget(self, uid: str) -> None:
+        self.handled.pop(uid, None)
+
     def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
         return {"spec": {"generation": body.get("metadata", {}).get("generation")}}  # type: ignore[return-value]
 
     def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
         handled = get_handled_generation(body.get("status") or {})
+        remembered = self.handled.get(body.get("metadata", {}).get("uid") or "")
+        if remembered is not None:
+            handled = max(handled or 0, remembered)
         return None if handled is None else {"spec": {"generation": handled}}  # type: ignore[return-value]
 
     def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
@@ -111,35 +130,62 @@ def _invalid_already_reported(rlrun: dict[str, Any], invalid: list[str]) -> bool
     return False
 
 
+PRESENT, GONE, REPLACED = "present", "gone", "replaced"  # what publish_status found
+STATUS_WRITE_ATTEMPTS = 3  # a status write that conflicts (someone wrote the run since its GET) is recomputed
+
+
 async def publish_status(memo: OperatorMemo, namespace: str, name: str,
                          compute: Callable[[dict[str, Any]], Awaitable[StatusChange]],
-                         current: dict[str, Any] | None = None, uid: str | None = None) -> bool:
+                         current: dict[str, Any] | None = None, uid: str | None = None) -> str:
     """Under the run's lock: GET the RLRun (unless ``current`` is known to be the latest, as in the create
     handler, before anything else wrote a status), ``compute`` the change against it, write it to the
     status subresource when not empty, count the phase, post an Event on a phase transition.
 
-    Returns False when the run is gone (no such object, or, with ``uid``, one of that name but another uid:
-    deleted and created again), True otherwise (also while it is being deleted: nothing is written then).
+    The write carries the GET's ``metadata.resourceVersion``, which the API server checks before it applies
+    a patch (409 Conflict when the object changed since): a status computed for a run that was deleted and
+    created again under the same name (no finalizer holds a deletion) never lands on the new object. On a
+    conflict the run is read again and the change recomputed, up to STATUS_WRITE_ATTEMPTS times. ``compute``
+    may run more than once: it must not post Events itself (it returns them in ``StatusChange.events``).
+
+    Returns:
+        GONE when no such object exists, REPLACED when one of that name has another uid than ``uid``
+        (deleted and created again), PRESENT otherwise (also while it is being deleted: nothing is written).
+
+    Raises:
+        ApiError: the write failed, or still conflicted after STATUS_WRITE_ATTEMPTS attempts.
     """
     async with get_run_state(memo).status_lock:
-        fresh = current if current is not None else await memo.api.get(constants.KIND, namespace, name)
-        if fresh is None or (uid is not None and fresh.get("metadata", {}).get("uid") != uid):
-            return False
-        if fresh.get("metadata", {}).get("deletionTimestamp"):
-            return True
-        change = await compute(fresh)
-        if change.patch:
-            await memo.api.merge_patch(constants.KIND, namespace, name, {"status": change.patch},
-                                       subresource="status")
+        for attempt in range(STATUS_WRITE_ATTEMPTS):
+            fresh = current if current is not None and attempt == 0 else \
+                await memo.api.get(constants.KIND, namespace, name)
+            if fresh is None:
+                return GONE
+            meta = fresh.get("metadata", {})
+            if uid is not None and meta.get("uid") != uid:
+                return REPLACED
+            if meta.get("deletionTimestamp"):
+                return PRESENT
+            change = await compute(fresh)
+            if change.patch:
+                body: dict[str, Any] = {"status": change.patch}
+                if meta.get("resourceVersion"):
+                    body["metadata"] = {"resourceVersion": meta["resourceVersion"]}
+                try:
+                    await memo.api.merge_patch(constants.KIND, namespace, name, body, subresource="status")
+                except ApiError as exc:
+                    if exc.status == 409 and attempt + 1 < STATUS_WRITE_ATTEMPTS:
+                        continue
+                    raise
+            break
         metrics.set_run_phase(namespace, name, change.new_phase)
         metrics.set_run_conditions(namespace, name, change.patch.get("conditions")
                                    or (fresh.get("status") or {}).get("conditions"))
-        for event_type, reason, message in change.events:  # the autoscaler's (reconcile.plan_scaling)
+        for event_type, reason, message in change.events:  # the reconcile's and the autoscaler's
             kopf.event(fresh, type=event_type, reason=reason, message=message)
         if change.old_phase != change.new_phase:
             kopf.event(fresh, type="Warning" if change.new_phase == PHASE_FAILED else "Normal",
                        reason=change.new_phase, message=f"phase {change.old_phase or 'none'} -> {change.new_phase}")
-    return True
+    return PRESENT
 
 
 def get_registry(config: OperatorConfig | None = None, login: bool = True) -> kopf.OperatorRegistry:
@@ -153,6 +199,7 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
     """
     config = config or OperatorConfig.from_env()
     registry = kopf.OperatorRegistry()
+    diffbase = GenerationDiffBase()
 
     if login:
         @kopf.on.login(registry=registry)
@@ -163,7 +210,7 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
     async def configure(settings: kopf.OperatorSettings, memo: OperatorMemo, **_: Any) -> None:
         settings.persistence.finalizer = constants.FINALIZER
         settings.persistence.progress_storage = UnmarkedProgressStorage(prefix=constants.ANNOTATION_PREFIX)
-        settings.persistence.diffbase_storage = GenerationDiffBase()
+        settings.persistence.diffbase_storage = diffbase
         complete_memo(memo, config)
         settings.watching.server_timeout = memo.config.watch_server_timeout_s
         settings.watching.client_timeout = memo.config.watch_client_timeout_s
@@ -205,18 +252,24 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
             state.invalid, state.invalid_generation = result.invalid, meta.get("generation")
 
             async def compute(fresh: dict[str, Any]) -> StatusChange:
-                if result.invalid and not _invalid_already_reported(fresh, result.invalid):
-                    kopf.event(fresh, type="Warning", reason=REASON_INVALID_SPEC, message="; ".join(result.invalid))
-                for event_type, reason, message in result.events:  # pools resized to a new spec (plan_replicas)
-                    kopf.event(fresh, type=event_type, reason=reason, message=message)
-                return plan_status(fresh, workloads, None, state.get_reconciled_generation(fresh), result.invalid)
+                # This reconcile's verdict on the spec holds for its own generation only: if the run moved on
+                # meanwhile, the newer generation is pending, not invalid (GenerationDiffBase relies on it).
+                same = fresh.get("metadata", {}).get("generation") == meta.get("generation")
+                invalid = result.invalid if same else []
+                events = list(result.events)  # pools resized to a new spec (plan_replicas)
+                if invalid and not _invalid_already_reported(fresh, invalid):
+                    events.insert(0, ("Warning", REASON_INVALID_SPEC, "; ".join(invalid)))
+                change = plan_status(fresh, workloads, None, state.get_reconciled_generation(fresh), invalid)
+                return dataclasses.replace(change, events=(*events, *change.events))
 
-            # A new run: nobody has written its status yet (the timer waits for RunState.reconciled).
+            # A new run: nobody has written its status yet, and its refresh starts below.
             first = rlrun if trigger == "create" and not (rlrun.get("status") or {}) else None
-            await publish_status(memo, meta["namespace"], meta["name"], compute, current=first)
+            found = await publish_status(memo, meta["namespace"], meta["name"], compute, current=first,
+                                         uid=meta.get("uid"))
+            if found == PRESENT and isinstance(meta.get("generation"), int):
+                diffbase.record(meta["uid"], meta["generation"])
         except (ApiError, ApplyConflict) as exc:
             raise kopf.TemporaryError(f"reconcile failed: {exc}", delay=memo.config.retry_delay_s) from exc
-        state.reconciled = True
         start_refresher(memo, meta["namespace"], meta["name"], meta["uid"])
 
     def start_refresher(memo: OperatorMemo, namespace: str, name: str, uid: str) -> None:
@@ -238,7 +291,7 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
             await asyncio.sleep(delay)
             delay = memo.config.status_interval_s
             try:
-                present = await refresh_once(memo, namespace, name, uid)
+                found = await refresh_once(memo, namespace, name, uid)
             except asyncio.CancelledError:
                 raise
             except (ApiError, ApplyConflict, aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -254,8 +307,10 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
                 log.exception("status refresh of %s/%s failed", namespace, name)
                 delay = memo.config.retry_delay_s
                 continue
-            if not present:
+            if found == GONE:
                 metrics.forget_run(namespace, name)
+            if found != PRESENT:  # gone, or replaced by a new run of that name (its own refresh keeps its series)
+                diffbase.forget(uid)
                 return
 
     @kopf.on.create(*RESOURCE, registry=registry, backoff=config.retry_delay_s)
@@ -270,8 +325,8 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
     async def on_resume(body: Any, memo: OperatorMemo, **_: Any) -> None:
         await reconcile(body, memo, "resume", prune=False, assume_absent=False)
 
-    async def refresh_once(memo: OperatorMemo, namespace: str, name: str, uid: str) -> bool:
-        """One refresh (and its follow-up reconcile); False when the run is gone."""
+    async def refresh_once(memo: OperatorMemo, namespace: str, name: str, uid: str) -> str:
+        """One refresh (and its follow-up reconcile); what publish_status found (PRESENT, GONE, REPLACED)."""
         state = get_run_state(memo)
 
         async def compute(fresh: dict[str, Any]) -> StatusChange:
@@ -287,17 +342,18 @@ def get_registry(config: OperatorConfig | None = None, login: bool = True) -> ko
             seen.append((fresh, await compute(fresh)))
             return seen[-1][1]
 
-        if not await publish_status(memo, namespace, name, compute_and_keep, uid=uid):
-            return False
+        found = await publish_status(memo, namespace, name, compute_and_keep, uid=uid)
+        if found != PRESENT:
+            return found
         metrics.STATUS_REFRESHES.labels(namespace, name).inc()
         if not seen:
-            return True
+            return PRESENT
         fresh, change = seen[-1]
         follow_up = plan_after_refresh(fresh, change, state.reconciled_generation)
         if follow_up is not None:
             await reconcile(fresh, memo, follow_up, prune=False, assume_absent=False,
                             finished=True if follow_up == "finish" else None)
-        return True
+        return PRESENT
 
     @kopf.on.delete(*RESOURCE, registry=registry, optional=True)
     async def forget(body: Any, **_: Any) -> None:

@@ -29,7 +29,6 @@ class ReconcileResult:
     pruned (kind, name) pairs."""
 
     invalid: list[str] = field(default_factory=list)
-    invalid_generation: int | None = None
     outcomes: list[apply.Outcome] = field(default_factory=list)
     pruned: list[tuple[str, str]] = field(default_factory=list)
 
@@ -302,8 +301,8 @@ class RunState:
     """What the operator remembers about one run between its handlers (kept in kopf's per-object memo).
 
     Attributes:
-        status_lock: held for each status write (handlers and the timer of one run run concurrently).
-        reconciled: a create/resume/update reconcile has finished once (the timer waits for it).
+        status_lock: held for each status write (the handlers and the status refresh of one run run
+            concurrently).
         reconciled_generation: metadata.generation of the last reconcile that rendered the children.
         invalid: the spec's errors found by the last reconcile ([] when valid); invalid_generation: the
             generation that reconcile handled.
@@ -314,7 +313,6 @@ class RunState:
     """
 
     status_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    reconciled: bool = False
     reconciled_generation: int | None = None
     invalid: list[str] = field(default_factory=list)
     invalid_generation: int | None = None
@@ -334,17 +332,20 @@ FollowUp = Literal["finish", "drift"]
 
 def plan_after_refresh(rlrun: dict[str, Any], change: StatusChange,
                        reconciled_generation: int | None) -> FollowUp | None:
-    """What the status timer does after a refresh of ``rlrun`` made ``change`` (pure).
+    """What the status refresh does after a refresh of ``rlrun`` made ``change`` (pure).
 
-    - ``"finish"``: the run has just reached Succeeded or Failed: reconcile it as finished (every workload
-      but the orchestrator Job scaled to 0, so its GPUs are given back).
+    - ``"finish"``: the run has just reached Succeeded or Failed and no spec change is pending: reconcile it
+      as finished (every workload but the orchestrator Job scaled to 0, so its GPUs are given back). With a
+      spec change pending, the update handler's reconcile applies the run as finished (with pruning), and a
+      finish here would record the pending generation as handled without pruning.
     - ``"drift"``: a rendered child of a live run is missing and no spec change is pending (the update
       handler applies those): reconcile again to recreate it.
     - None: nothing to do.
     """
+    current = rlrun.get("metadata", {}).get("generation") == reconciled_generation
     if change.new_phase in status.TERMINAL_PHASES and change.old_phase not in status.TERMINAL_PHASES:
-        return "finish"
-    if change.missing and rlrun.get("metadata", {}).get("generation") == reconciled_generation:
+        return "finish" if current else None
+    if change.missing and current:
         return "drift"
     return None
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from .role import RoleConfigError
 from .storage import RunStorage, atomic_directory, atomic_write_text, list_steps
 
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -135,21 +136,28 @@ def load_checkpoint(storage: RunStorage, step: int, model: torch.nn.Module, opti
 
     Raises:
         FileNotFoundError: the checkpoint is not complete.
-        RuntimeError: the checkpoint lacks a trainable parameter or holds one the model does not have.
+        RoleConfigError: the checkpoint does not fit the model (it lacks a trainable parameter or holds one the
+            model does not have: the model or ``trainer.lora`` changed since the run started); names the fields.
     """
     path = storage.checkpoint(step)
     state = json.loads((path / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
     model_sd, optim_sd = get_state_dict(model, optimizer, options=SAVE_OPTIONS)
     loaded = {"model": model_sd, "optim": optim_sd}
-    dcp.load(loaded, checkpoint_id=str(path))
+    fix = ("spec.model and spec.trainer.lora (rank, targetModules) must stay as they were when the run "
+           "started: restore them, or start a new run (a new RLRun, or another --output-dir locally)")
+    try:
+        dcp.load(loaded, checkpoint_id=str(path))
+    except (RuntimeError, KeyError, ValueError) as exc:  # dcp's CheckpointException is a RuntimeError
+        raise RoleConfigError(f"checkpoint step {step} does not fit this trainer's parameters "
+                              f"({str(exc).strip().splitlines()[0][:300]}); {fix}") from exc
     result = set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],
                             options=LOAD_OPTIONS)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     frozen |= {name for name, _ in model.named_buffers()}
     missing = [k for k in result.missing_keys if k not in frozen]
     if missing or result.unexpected_keys:
-        raise RuntimeError(f"checkpoint {path}: missing trainable {missing[:3]}, unexpected "
-                           f"{list(result.unexpected_keys)[:3]}")
+        raise RoleConfigError(f"checkpoint step {step} ({path}) lacks trainable parameters {missing[:3]} or holds "
+                              f"others {list(result.unexpected_keys)[:3]}; {fix}")
     rank_file = path / f"rank-{_rank()}.pt"
     if not rank_file.is_file():  # resumed on more ranks than were saved: rank 0's scheduler, fresh RNG
         rank_file = path / "rank-0.pt"

@@ -349,8 +349,13 @@ class Orchestrator:
                     async with VLLMAdmin(url) as admin:
                         await admin.update_weight_version(0)
             else:
-                self.weights_stable.clear()
-                self.metrics.weight_update_in_flight.set(1)
+                # Only engines that join (a new pod at the initial model) or were left paused are behind while
+                # the others serve ``target`` already: generation goes on through those (the joining ones get
+                # no traffic until their readiness says they serve it), and the autoscaler sees no update.
+                serving_changes = target != self.loaded_version or len(behind) == len(engines)
+                if serving_changes:
+                    self.weights_stable.clear()
+                    self.metrics.weight_update_in_flight.set(1)
                 prefill = resolve_engines(self.prefill_endpoints) if self.prefill_endpoints else []
                 try:
                     updates = await update_engines(behind, target, self.transport, prefill=prefill,
@@ -359,8 +364,9 @@ class Orchestrator:
                     self._set_out_of_service(behind, err.out_of_service)
                     raise
                 finally:
-                    self.metrics.weight_update_in_flight.set(0)
-                    self.metrics.last_resume_time.set(time.time())
+                    if serving_changes:
+                        self.metrics.weight_update_in_flight.set(0)
+                        self.metrics.last_resume_time.set(time.time())
                 self._set_out_of_service(behind, ())
                 for update in updates:
                     self.metrics.weight_updates.inc()

@@ -25,6 +25,7 @@ applied only when its env var is set; the inference role sets them (:func:`rlrun
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from typing import Any, Callable, Mapping
@@ -110,8 +111,16 @@ class ReadinessMiddleware:
     only Ready pods, once it serves the current version.
     """
 
+    # ``get_weight_version`` is a utility call to the engine core, queued behind whatever the core runs: during
+    # a weight reload (``collective_rpc``) it waits for the whole reload, which for a large model can outlast
+    # the probe's timeout on every pod of a pool at once (they reload in the same round) and empty the
+    # router. So the call gets VERSION_WAIT_S; when it does not answer in time the last version it answered
+    # stands (the engine is busy reloading, not dead: ``check_health`` has passed).
+    VERSION_WAIT_S = 1.0
+
     def __init__(self, app: Any) -> None:
         self.app = app
+        self._last_version: str | None = None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope.get("type") != "http" or scope.get("path") != constants.INFERENCE_READY_PATH:
@@ -133,9 +142,23 @@ class ReadinessMiddleware:
             return False, "no engine client"
         try:
             await client.check_health()
-            version = str(await client.get_weight_version())
         except Exception as err:  # EngineDeadError and whatever a broken engine raises: not ready, said why
+            return False, f"engine not healthy: {type(err).__name__}: {err}"
+        pending = asyncio.ensure_future(client.get_weight_version())
+        try:
+            version = str(await asyncio.wait_for(asyncio.shield(pending), self.VERSION_WAIT_S))
+            self._last_version = version
+        except asyncio.TimeoutError:
+            pending.add_done_callback(self._remember)  # it still answers later: keep that answer
+            if self._last_version is None:
+                return False, f"engine busy: its weight version did not answer within {self.VERSION_WAIT_S:g} s"
+            version = self._last_version
+        except Exception as err:  # noqa: BLE001 - a broken engine: not ready, said why
             return False, f"engine not healthy: {type(err).__name__}: {err}"
         root = os.environ.get(constants.ENV_STORAGE_DIR, "").strip()
         current = read_serving_version(RunStorage(root)) if root else None
         return get_readiness(version, current)
+
+    def _remember(self, done: "asyncio.Future[Any]") -> None:
+        if not done.cancelled() and done.exception() is None:
+            self._last_version = str(done.result())

@@ -565,6 +565,46 @@ async def serve_hanging_metrics() -> tuple[str, asyncio.Event, Any]:
     raise RuntimeError("no free 127.0.0.x address for the metrics server")
 
 
+def test_a_refresh_in_flight_never_writes_its_status_onto_a_run_recreated_under_the_same_name() -> None:
+    """No finalizer holds a deletion, so a run can be deleted and created again (kubectl replace --force, a
+    GitOps re-sync) while its status refresh waits on a scrape: that refresh's write carries the
+    resourceVersion it read, the API server refuses it (409), and the re-read finds another uid: the old run's
+    Succeeded status never lands on the new run, and the old refresh ends."""
+    async def scenario() -> None:
+        async with serve_kubernetes() as (emu, url):
+            api = KubeApi(get_api_client(url))
+            ip, asked, server = await serve_hanging_metrics()
+            try:
+                async with run_operator(url, status_interval=INTERVAL) as memo:
+                    await api.create(make_run("re", "ns1"))
+                    await wait_for(lambda: run_status(emu, "ns1", "re").get("phase") == "Initializing")
+                    await play_ready(api, emu, "ns1", "re")
+                    await wait_for(lambda: run_status(emu, "ns1", "re").get("phase") == "Running")
+                    old_uid = one(emu, constants.KIND, "ns1", "re")["metadata"]["uid"]
+                    # The old run's next refresh sees its Job complete (so it will write phase Succeeded, which
+                    # is sticky: on the new run it would make every reconcile treat it as finished), then
+                    # waits on the orchestrator's scrape.
+                    await api.merge_patch("Job", "ns1", "re-orchestrator", {"status": {
+                        "active": 0, "ready": 0, "succeeded": 1,
+                        "conditions": [{"type": "Complete", "status": "True"}]}}, subresource="status")
+                    await create_pod(api, "ns1", "re", constants.COMPONENT_ORCHESTRATOR, ip)
+                    await asyncio.wait_for(asked.wait(), timeout=30)  # a refresh of the old run now waits
+                    await api.delete(constants.KIND, "ns1", "re")
+                    await wait_for(lambda: not emu.find(constants.KIND, "ns1"))
+                    await api.create(make_run("re", "ns1"))
+                    await wait_for(lambda: run_status(emu, "ns1", "re").get("phase") == "Initializing")
+                    assert one(emu, constants.KIND, "ns1", "re")["metadata"]["uid"] != old_uid
+                    deadline = asyncio.get_running_loop().time() + 4 * INTERVAL + 3  # the scrape gives up after 2 s
+                    while asyncio.get_running_loop().time() < deadline:
+                        assert run_status(emu, "ns1", "re").get("phase") == "Initializing", run_status(emu, "ns1", "re")
+                        await asyncio.sleep(0.02)
+                    assert [t.get_name() for t in memo.refreshers] == ["rlrun status refresh ns1/re"]
+            finally:
+                server.close()
+
+    asyncio.run(scenario())
+
+
 def test_sigterm_during_a_status_refresh_exits_cleanly_within_the_grace_period(tmp_path: Path) -> None:
     """The console script as a process gets SIGTERM while its status timer waits on a scrape (the
     orchestrator's /metrics never answers): it exits 0 within STOP_GRACE_S, and its log has no ERROR, no

@@ -14,6 +14,7 @@ import asyncio
 import json
 import threading
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -43,6 +44,8 @@ class StandInEngine:
         self.port, self.version, self.broken = port, version, False
         self.hang_health = self.stopping = False  # hang_health: GET /health never answers (a stalled engine)
         self.calls: list[str] = []
+        self.on_pause: Any = None  # called at each POST /pause, its result kept in self.at_pause
+        self.at_pause: list[Any] = []
         app = Starlette(routes=[Route("/health", self.health), Route("/weight_info", self.weight_info),
                                 Route("/{path:path}", self.post, methods=["POST"])])
         app.add_middleware(ReadinessMiddleware)
@@ -88,6 +91,8 @@ class StandInEngine:
     async def post(self, request: Request) -> JSONResponse:
         path = "/" + request.path_params["path"]
         self.calls.append(path)
+        if path == "/pause" and self.on_pause is not None:
+            self.at_pause.append(self.on_pause())
         body = await request.body()
         if path == "/update_weight_version":
             self.version = json.loads(body)["new_version"]
@@ -154,8 +159,10 @@ def test_a_joining_decode_pod_is_loaded_before_it_is_ready(tmp_path, monkeypatch
     joined = engines(joining_port)
     assert joined.ready() == 503
     prefill.calls.clear(), decode.calls.clear()
+    joined.on_pause = orchestrator.weights_stable.is_set
     asyncio.run(orchestrator.sync_weights_once())
     assert joined.version == "1" and joined.ready() == 200  # loaded, then ready
+    assert joined.at_pause == [True]  # generation went on through the others while it loaded
     assert joined.calls == ["/pause", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache", "/resume"]
     assert prefill.calls == decode.calls == []  # the servers already at version 1 are left alone
     assert orchestrator.not_listening == set() and read_serving_version(storage) == 1

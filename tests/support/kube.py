@@ -4,7 +4,8 @@ runs the real operator (kopf, over HTTP) against it.
 kmock 0.8 (pinned: this layer uses its internals `_handle`, `_serve_list`, `_buses`, `_lock`) is an
 in-memory object store served over HTTP. What it lacks and this layer adds, the way kube-apiserver does it:
 - on create: metadata.uid, resourceVersion, generation 1, creationTimestamp, namespace, apiVersion, kind;
-- on every write: a new resourceVersion (one global counter); generation + 1 when anything outside
+- on every write: a new resourceVersion (one global counter; a merge patch that names another
+  metadata.resourceVersion answers 409, as kube-apiserver's precondition); generation + 1 when anything outside
   metadata and status changed;
 - JSON patches whose ``test`` op fails answer 422 (kmock: 500); JSON-patch and merge-patch both supported;
 - the status subresource: PATCH .../status changes only ``status``; a PATCH of the main resource of a kind
@@ -316,6 +317,12 @@ class FidelityEmulator(kmock.KubernetesEmulator):
             return  # kmock answers 404
         old = copy.deepcopy(self.objects[key].raw)
         patch = request.data
+        expected = ((patch.get("metadata") or {}).get("resourceVersion") if isinstance(patch, dict) else None)
+        if expected is not None and str(expected) != str(old.get("metadata", {}).get("resourceVersion")):
+            # kube-apiserver: a resourceVersion in a patch is a precondition, checked before the patch applies
+            raise kmock.KubernetesError(status=409, reason="Conflict", message=(
+                f'Operation cannot be fulfilled on {kind} "{old.get("metadata", {}).get("name")}": the object '
+                "has been modified; please apply your changes to the latest version and try again"))
         try:
             if isinstance(patch, list):
                 new = jsonpatch.apply_patch(old, patch, in_place=False)

@@ -4,6 +4,9 @@ readiness middleware on a stand-in ASGI app, and the rendered probes and Service
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from pathlib import Path
 
 import pytest
@@ -88,14 +91,19 @@ def test_the_serving_version_record_round_trips_and_a_bad_one_reads_as_none(tmp_
 
 # --- the middleware, on a stand-in of vLLM's app (state.engine_client) -----------------------------------
 class StandInEngineClient:
+    """``busy``: get_weight_version waits as vLLM's does behind a reload in the engine core (check_health
+    does not: it reads the engine's errored flag)."""
+
     def __init__(self, version: str = "default", dead: bool = False):
-        self.version, self.dead = version, dead
+        self.version, self.dead, self.busy = version, dead, False
 
     async def check_health(self) -> None:
         if self.dead:
             raise RuntimeError("EngineCore died")
 
     async def get_weight_version(self) -> str:
+        while self.busy:
+            await asyncio.sleep(0.01)
         return self.version
 
 
@@ -123,6 +131,29 @@ def test_the_middleware_answers_the_ready_path_from_the_engine_and_the_record(tm
     client.dead = True
     response = http.get(c.INFERENCE_READY_PATH)
     assert response.status_code == 503 and "EngineCore died" in response.json()["reason"]
+
+
+def test_a_reloading_engine_stays_ready_at_the_version_it_last_answered(tmp_path, monkeypatch):
+    """During a reload the engine core answers nothing for as long as the reload takes: the probe answers
+    within the middleware's wait from the last version the engine reported, and a server that never answered
+    is not ready (it says why)."""
+    monkeypatch.setenv(c.ENV_STORAGE_DIR, str(tmp_path))
+    write_serving_version(RunStorage(tmp_path), 2)
+    client = StandInEngineClient("2")
+    with app_with(client) as http:  # one event loop for every request
+        assert http.get(c.INFERENCE_READY_PATH).status_code == 200
+        client.busy = True
+        started = time.monotonic()
+        response = http.get(c.INFERENCE_READY_PATH)
+        assert response.status_code == 200 and response.json()["ready"] is True
+        assert time.monotonic() - started < ReadinessMiddleware.VERSION_WAIT_S + 2
+        client.busy = False
+    fresh = StandInEngineClient("2")
+    fresh.busy = True
+    with app_with(fresh) as http:
+        response = http.get(c.INFERENCE_READY_PATH)
+        assert response.status_code == 503 and "did not answer within" in response.json()["reason"]
+        fresh.busy = False
 
 
 # --- what the operator renders ---------------------------------------------------------------------------

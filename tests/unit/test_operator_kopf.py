@@ -36,6 +36,21 @@ def test_diff_base_is_the_generation_and_stores_nothing() -> None:
     assert not patch
 
 
+def test_a_stale_event_does_not_undo_a_handled_generation() -> None:
+    """A watch event whose status was written before this process's reconcile of generation 3 (it names 2)
+    arrives after it: the generation the process handled wins; forgotten once the run is gone."""
+    storage = GenerationDiffBase()
+    stale = kopf.Body({"metadata": {"uid": "u1", "generation": 3}, "status": {"observedGeneration": 2}})
+    assert storage.fetch(body=stale) == {"spec": {"generation": 2}}
+    storage.record("u1", 3)
+    storage.record("u1", 2)  # an older reconcile finishing late does not lower it
+    assert storage.fetch(body=stale) == {"spec": {"generation": 3}} == storage.build(body=stale)
+    other = kopf.Body({"metadata": {"uid": "u2", "generation": 1}, "status": {}})
+    assert storage.fetch(body=other) is None  # another run: its own record only
+    storage.forget("u1")
+    assert storage.fetch(body=stale) == {"spec": {"generation": 2}}
+
+
 def test_progress_storage_writes_retries_but_no_marker() -> None:
     assert hasattr(kopf.AnnotationsProgressStorage, "_store_marker")  # the kopf hook overridden
     storage = UnmarkedProgressStorage(prefix="rlrun.dev")

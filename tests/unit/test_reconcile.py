@@ -49,6 +49,7 @@ def run(generation: int) -> dict:
     ("Running", "Failed", ("Deployment/r-router",), 1, 1, "finish"),   # finishing wins over drift
     ("Succeeded", "Succeeded", (), 1, 1, None),                         # already handled once
     (None, "Failed", (), 1, 1, "finish"),
+    ("Running", "Succeeded", (), 2, 1, None),                           # spec change pending: the update finishes it
     ("Running", "Running", ("Deployment/r-router",), 2, 2, "drift"),
     ("Running", "Running", ("Deployment/r-router",), 3, 2, None),       # a spec change is pending
     ("Running", "Running", ("Deployment/r-router",), 1, None, None),    # never reconciled by this process
