@@ -1,7 +1,7 @@
 """Trace-driven simulation of the prefill and decode pools: the autoscaler's ``decide`` against Kubernetes'
 HPA algorithm applied per pool, side by side on the same frozen traces.
 
-    .venv/bin/python -m benchmarks.autoscaler [--trace rl-phases|balanced-noise|all] [--seconds N]
+    .venv/bin/python -m benchmarks.autoscaler [--trace rl-phases|balanced-noise|live-decode|live-prefill|all] [--seconds N]
     .venv/bin/python -m benchmarks.autoscaler --make-traces     # (re)write the frozen traces (do not, once tuned)
 
 Model (one tick = 1 s; one "scrape" every spec.autoscaling.scrapeIntervalSeconds):
@@ -13,13 +13,24 @@ Model (one tick = 1 s; one "scrape" every spec.autoscaling.scrapeIntervalSeconds
   beyond the slots wait (``num_requests_waiting_by_reason{reason="capacity"}``).
 - a new pod is ready ``startup_s`` after it is asked for (it holds its GPU from the request on: counted in
   replica-seconds); a removed pod leaves at once and its running requests go back to the front of the queue.
-- every pod of a pool reports the pool's totals divided by its ready pods (a balancing router).
+- every pod of a pool reports the pool's totals divided by its ready pods (a balancing router), and its own
+  ``vllm:request_inference_time_seconds`` counters: the seconds from a request's start in the pool (prefill:
+  it is among the oldest ``ready x prefill_concurrency`` of the queue; decode: it takes a slot) to its end
+  there, each finished request counted on one ready pod in turn; a pod that leaves takes its counters with it
+  (a pod that comes back under its name starts from 0, as a restarted vLLM does).
 - RL trace: a closed loop. The orchestrator keeps up to ``concurrency`` requests in flight, but a request of
   batch k may only be sent once the trainer has published version k - 1 - maxAsyncLevel (the async gate;
   the time it is held is the gate counter). The trainer trains step k for ``train_s`` once batch k is
   complete (the time it waits is the trainer-wait counter), then a weight update pauses both pools for
-  ``pause_s`` (the in-flight gauge and the last-resume time are exported as the orchestrator does).
+  ``pause_s`` (the in-flight gauge, the last-resume time and the pause->resume histogram, one observation
+  of ``pause_s`` per ready engine, are exported as the orchestrator does).
 - balanced-noise trace: open loop, requests arrive at their recorded times.
+- live-shaped loops (``live-decode``, ``live-prefill``): the shape of the whole ``rlrun local`` run with
+  autoscaling on (benchmarks/README.md): 128 requests (one batch) in flight, servers with 128 slots each
+  (both pools hold a whole batch, so no queue forms, as measured: ``num_requests_waiting`` 0), a 0.5 s
+  trainer step, a 1 s pause per update, 1 prefill + 1 decode, at most 3 pods, pools 1..2, 10 s scrapes.
+  Generated in code from a fixed seed (not frozen files): they were added with decide's phase-time rule
+  (2026-12-02), and decide was not changed after they were first run.
 
 Rates: benchmarks/data/autoscaler-calibration.json (how they were obtained is recorded in it and in
 benchmarks/README.md). Traces: benchmarks/data/autoscaler-*.json, generated once from fixed seeds by
@@ -54,6 +65,8 @@ from rlrun_operator.autoscale import (DECODE, POOLS, PREFILL, LoopSample, Observ
 
 DATA = Path(__file__).resolve().parent / "data"
 TRACES = ("rl-phases", "balanced-noise")
+LIVE_SHAPES = {"live-decode": (200, 128), "live-prefill": (2000, 16)}  # mean prompt and output tokens
+LIVE_SLOTS = 128  # per server, both pools: a whole batch runs at once
 
 
 @dataclass(frozen=True)
@@ -124,6 +137,24 @@ def make_balanced_trace(cal: Calibration, seed: int = 11, seconds: int = 3600) -
     return {"kind": "open", "seed": seed, "seconds": seconds, "arrivals": arrivals, "onsets": []}
 
 
+def make_live_trace(prompt: int, output: int, seed: int = 5, seconds: int = 1800) -> dict[str, Any]:
+    """A live-shaped closed loop (module docstring): one phase, batch 128 = concurrency, lognormal lengths."""
+    rng = random.Random(seed)
+    requests = [[max(1, round(rng.lognormvariate(math.log(prompt), 0.35))),
+                 max(1, round(rng.lognormvariate(math.log(output), 0.35)))] for _ in range(4 * 128)]
+    return {"kind": "rl", "seed": seed, "batch_size": 128, "max_async_level": 1, "concurrency": 128, "pause_s": 1.0,
+            "phases": [{"name": "live", "start_s": 0, "seconds": seconds, "train_s": 0.5, "requests": requests}],
+            "onsets": []}
+
+
+def live_policy() -> AutoscalingView:
+    """The whole local run's autoscaling (benchmarks/README.md): maxReplicas 3, pools 1..2, 10 s scrapes,
+    upCooldownSeconds 0, downCooldownSeconds 120, thresholds defaulted."""
+    autoscaling = {"enabled": True, "maxReplicas": 3, "prefill": {"min": 1, "max": 2}, "decode": {"min": 1, "max": 2},
+                   "scrapeIntervalSeconds": 10, "upCooldownSeconds": 0, "downCooldownSeconds": 120}
+    return AutoscalingView.from_spec(apply_defaults({"spec": {"autoscaling": autoscaling}})["spec"])
+
+
 def load_trace(name: str) -> dict[str, Any]:
     return json.loads((DATA / f"autoscaler-{name}.json").read_text())
 
@@ -134,6 +165,7 @@ class Request:
     prompt: float      # prompt tokens left to prefill
     output: float      # tokens left to decode
     batch: int = 0
+    started: float | None = None   # when it started in its current pool (the phase-time histogram)
 
 
 @dataclass
@@ -168,6 +200,26 @@ class Sim:
         self.pools = {PREFILL: Pool(prefill), DECODE: Pool(decode)}
         self.done: list[Request] = []
         self.prefill_busy = 0.0
+        self.now = 0.0
+        # Per pool, pod index -> [seconds, finished requests]: the pods' phase-time counters; and the turn.
+        self.phase: dict[str, dict[int, list[float]]] = {PREFILL: {}, DECODE: {}}
+        self.turn = {PREFILL: 0, DECODE: 0}
+
+    def finish_phase(self, pool: str, req: Request, at: float) -> None:
+        """Count ``req``'s time in ``pool`` on the next ready pod of that pool (round robin)."""
+        ready = self.pools[pool].ready
+        if req.started is None or ready <= 0:
+            return
+        counters = self.phase[pool].setdefault(self.turn[pool] % ready, [0.0, 0.0])
+        counters[0] += at - req.started
+        counters[1] += 1
+        self.turn[pool] += 1
+        req.started = None
+
+    def forget_gone_pods(self) -> None:
+        for name, pool in self.pools.items():
+            for index in [i for i in self.phase[name] if i >= pool.ready]:
+                del self.phase[name][index]
 
     def admit(self) -> None:
         """Decode: fill free slots from the queue; a removed pod's requests go back to the front."""
@@ -176,7 +228,10 @@ class Sim:
         while len(pool.running) > cap:
             pool.waiting.appendleft(pool.running.pop())
         while pool.waiting and len(pool.running) < cap:
-            pool.running.append(pool.waiting.popleft())
+            req = pool.waiting.popleft()
+            if req.started is None:  # vLLM keeps a request's first SCHEDULED time across preemptions
+                req.started = self.now
+            pool.running.append(req)
 
     def prefill_split(self) -> tuple[int, int]:
         """(running, waiting) of the prefill pool: the oldest ``ready x prefill_concurrency`` are running."""
@@ -188,6 +243,12 @@ class Sim:
 
     def step(self, dt: float, substeps: int = 10) -> None:
         pre, dec = self.pools[PREFILL], self.pools[DECODE]
+        self.forget_gone_pods()
+        for i, req in enumerate(pre.waiting):  # the running ones (prefill_split) have started
+            if i >= pre.ready * self.cal.prefill_concurrency:
+                break
+            if req.started is None:
+                req.started = self.now
         # Prefill is work-conserving FIFO over the whole queue (chunked prefill takes the oldest first).
         budget = full = pre.ready * self.cal.prefill_tokens_per_s * dt
         while pre.waiting and budget > 0:
@@ -196,11 +257,14 @@ class Sim:
             req.prompt -= use
             budget -= use
             if req.prompt <= 0:
+                self.finish_phase(PREFILL, req, self.now + dt * (1.0 - budget / full))
                 dec.waiting.append(pre.waiting.popleft())
         self.prefill_busy = 1.0 - budget / full if full else 0.0
         # Decode in sub-steps, so that a finished sequence's slot is refilled within the tick.
         h = dt / substeps
-        for _ in range(substeps):
+        start = self.now
+        for k in range(substeps):
+            self.now = start + k * h
             self.admit()
             if not (dec.ready and dec.running):
                 continue
@@ -209,8 +273,13 @@ class Sim:
             still = []
             for req in dec.running:
                 req.output -= tokens
-                (self.done if req.output <= 0 else still).append(req)
+                if req.output <= 0:
+                    self.finish_phase(DECODE, req, self.now + h)
+                    self.done.append(req)
+                else:
+                    still.append(req)
             dec.running = still
+        self.now = start + dt
         self.admit()
 
     def observe(self, loop: LoopSample | None) -> Observations:
@@ -224,7 +293,10 @@ class Sim:
             else:
                 waiting, running = len(pool.waiting), len(pool.running)
                 kv = min(1.0, running / (r * self.cal.decode_slots))
-            pods = tuple(PodSample(f"{name}-{i}", waiting / r, running / r, kv) for i in range(pool.ready))
+            phase = self.phase[name]
+            pods = tuple(PodSample(f"{name}-{i}", waiting / r, running / r, kv,
+                                   phase_s_sum=phase.get(i, (0.0, 0.0))[0], phase_count=phase.get(i, (0.0, 0.0))[1])
+                         for i in range(pool.ready))
             obs[name] = PoolObservation(desired=pool.desired, ready=pool.ready, pods=pods)
         return Observations(prefill=obs[PREFILL], decode=obs[DECODE], loop=loop)
 
@@ -335,6 +407,8 @@ def run(trace_name: str, trace: dict[str, Any], make_controller: Callable[[Autos
     version, issued, trainer_busy_until = 0, 0, 0.0
     trainer_wait_s = gate_wait_s = 0.0
     pause_until, last_resume, updates = -1.0, None, 0
+    pause_sum = pause_count = 0.0
+    pending_pause: tuple[float, float] | None = None  # (seconds, engines): observed at the resume
     completed_batches = collections.Counter()
     consumed = 0
     phase_i, req_i = 0, 0
@@ -370,6 +444,7 @@ def run(trace_name: str, trace: dict[str, Any], make_controller: Callable[[Autos
                 version += 1  # publish: weight update pauses both pools
                 updates += 1
                 pause_until = t + trace["pause_s"]
+                pending_pause = (trace["pause_s"], sum(p.ready for p in sim.pools.values()))
                 last_resume = pause_until
             if t >= trainer_busy_until and version == consumed:
                 if completed_batches[consumed + 1] >= batch:
@@ -382,6 +457,10 @@ def run(trace_name: str, trace: dict[str, Any], make_controller: Callable[[Autos
                 _, p, o = arrivals[arrival_i]
                 sim.pools[PREFILL].waiting.append(Request(float(p), float(o)))
                 arrival_i += 1
+        sim.now = t
+        if pending_pause is not None and t >= pause_until:
+            pause_sum, pause_count = pause_sum + pending_pause[0] * pending_pause[1], pause_count + pending_pause[1]
+            pending_pause = None
         if t >= pause_until:
             before = len(sim.done)
             sim.step(dt)
@@ -392,7 +471,8 @@ def run(trace_name: str, trace: dict[str, Any], make_controller: Callable[[Autos
         if int(t) % int(policy.scrape_interval_s) == 0:
             loop = LoopSample(weight_updates=updates, update_in_flight=t < pause_until,
                               last_resume_time=last_resume if last_resume is not None and last_resume <= t else None,
-                              trainer_wait_s=trainer_wait_s, gate_wait_s=gate_wait_s) if rl else None
+                              trainer_wait_s=trainer_wait_s, gate_wait_s=gate_wait_s,
+                              pause_s_sum=pause_sum, pause_count=pause_count) if rl else None
             obs = sim.observe(loop)
             for i, onset in enumerate(trace.get("onsets", [])):
                 if visible[i] is None and t >= onset["t"] and _imbalanced(obs, onset["needs"], policy):
@@ -451,12 +531,20 @@ def default_policy() -> AutoscalingView:
     return AutoscalingView.from_spec(apply_defaults({"spec": {"autoscaling": autoscaling}})["spec"])
 
 
+def get_setup(trace_name: str, cal: Calibration, policy: AutoscalingView | None = None
+              ) -> tuple[dict[str, Any], Calibration, AutoscalingView, tuple[int, int]]:
+    """(trace, calibration, policy, initial prefill/decode) of a trace: the frozen ones at the calibrated
+    slots, the benchmark's cluster and 2:2; the live-shaped ones with LIVE_SLOTS, live_policy() and 1:1."""
+    if trace_name in LIVE_SHAPES:
+        cal = dataclasses.replace(cal, decode_slots=LIVE_SLOTS, prefill_concurrency=LIVE_SLOTS)
+        return make_live_trace(*LIVE_SHAPES[trace_name]), cal, policy or live_policy(), (1, 1)
+    return load_trace(trace_name), cal, policy or default_policy(), (2, 2)
+
+
 def compare(trace_name: str, seconds: float | None = None, cal: Calibration | None = None,
             policy: AutoscalingView | None = None) -> dict[str, Figures]:
-    cal = cal or Calibration.load()
-    policy = policy or default_policy()
-    trace = load_trace(trace_name)
-    return {c.name: run(trace_name, trace, c, policy, cal, seconds=seconds)
+    trace, cal, policy, start = get_setup(trace_name, cal or Calibration.load(), policy)
+    return {c.name: run(trace_name, trace, c, policy, cal, start=start, seconds=seconds)
             for c in (DecideController, HpaController)}
 
 
@@ -480,7 +568,7 @@ def report(results: dict[str, Figures], policy: AutoscalingView) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", default="all", choices=(*TRACES, "all"))
+    parser.add_argument("--trace", default="all", choices=(*TRACES, *LIVE_SHAPES, "all"))
     parser.add_argument("--seconds", type=float, default=None, help="simulate only the first N seconds")
     parser.add_argument("--make-traces", action="store_true", help="write the frozen traces (once)")
     parser.add_argument("--decisions", action="store_true", help="print every scaling decision")
@@ -491,8 +579,8 @@ def main(argv: list[str] | None = None) -> int:
             (DATA / f"autoscaler-{name}.json").write_text(json.dumps(trace, separators=(",", ":")) + "\n")
         return 0
     print(f"calibration: {dataclasses.asdict(cal)}")
-    policy = default_policy()
-    for name in (TRACES if args.trace == "all" else (args.trace,)):
+    for name in ((*TRACES, *LIVE_SHAPES) if args.trace == "all" else (args.trace,)):
+        policy = get_setup(name, cal)[2]
         results = compare(name, args.seconds, cal, policy)
         print(report(results, policy))
         if args.decisions:

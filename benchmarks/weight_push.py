@@ -9,7 +9,9 @@ One server (transport gloo, so it runs rlrun's engine) serves the model; every r
 version through the push transport (which also writes ``weights/step-N``), then updates the server with
 it twice through the one update sequence (``weights/update.py``): once pushed from memory, once reloaded
 from the storage by the filesystem transport. The figures are the sequence's own ``latency_ms`` (pause
-sent -> resume answered). ``--qwen3-0.6b`` serves a random model of Qwen3-0.6B's shape in bfloat16
+sent -> resume answered), each round's latency, and their split: the median time of every engine call of
+the update (``TIMED_CALLS``), the trainer's send of the buckets (it overlaps ``update_weights``) and the rest
+("other": the store round trips of the push). ``--qwen3-0.6b`` serves a random model of Qwen3-0.6B's shape in bfloat16
 (~1.2 GB of safetensors written and re-read per filesystem load).
 """
 
@@ -33,6 +35,7 @@ import yaml
 
 from rlrun_api import constants
 from rlrun_runtime.storage import RunStorage
+from rlrun_runtime.vllm_admin import VLLMAdmin
 from rlrun_runtime.weights.filesystem import FilesystemTransport
 from rlrun_runtime.weights.push import PushTransport
 from rlrun_runtime.weights.update import update_engines
@@ -90,6 +93,28 @@ def state_of(model_dir: Path, seed: int, dtype) -> dict:
     return state
 
 
+# The engine calls inside one update (pause -> resume), in the order the update sequence makes them.
+TIMED_CALLS = ("pause", "health", "worker_count", "init_weight_transfer_engine", "start_weight_update",
+               "update_weights", "finish_weight_update", "reload_weights", "update_weight_version",
+               "reset_prefix_cache", "resume")
+
+
+def time_admin_calls(sink: dict[str, float]) -> None:
+    """Wrap the :class:`VLLMAdmin` methods named in ``TIMED_CALLS`` (this process only) so that each call's
+    wall time, in ms, adds up in ``sink[name]``: the split of one update's latency."""
+    for name in TIMED_CALLS:
+        original = getattr(VLLMAdmin, name)
+
+        async def timed(self, *args, _original=original, _name=name, **kwargs):
+            start = time.perf_counter()
+            try:
+                return await _original(self, *args, **kwargs)
+            finally:
+                sink[_name] = sink.get(_name, 0.0) + (time.perf_counter() - start) * 1000.0
+
+        setattr(VLLMAdmin, name, timed)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -127,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                     (template / entry.name).write_bytes(entry.read_bytes())
             push, filesystem = PushTransport(RunStorage(storage)), FilesystemTransport(RunStorage(storage))
             times: dict[str, list[float]] = {"push": [], "filesystem": []}
+            splits: dict[str, list[dict[str, float]]] = {"push": [], "filesystem": []}
+            sink: dict[str, float] = {}
+            time_admin_calls(sink)
             publish_s = []
             previous = None
             for version in range(1, args.rounds + 1):
@@ -135,8 +163,15 @@ def main(argv: list[str] | None = None) -> int:
                 push.publish(state, version, template)
                 publish_s.append(time.perf_counter() - start)
                 for name, transport in (("push", push), ("filesystem", filesystem)):
+                    sink.clear()
                     update = asyncio.run(update_engines([url], version, transport, previous=previous))[0]
                     times[name].append(update.latency_ms)
+                    split = dict(sink)
+                    if name == "push" and push.service is not None and push.service.records:
+                        # the trainer's send of every bucket (overlaps the engine's receive and load)
+                        split["trainer send"] = push.service.records[max(push.service.records)].seconds * 1000.0
+                    split["other"] = update.latency_ms - sum(sink.values())
+                    splits[name].append(split)
                 previous = version
             push.close()
             size = sum(p.stat().st_size for p in RunStorage(storage).weights(args.rounds).glob("*.safetensors"))
@@ -146,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:>10}: pause->resume p50 {statistics.median(values):8.1f} ms  "
                       f"p99 {percentile(values, 0.99):8.1f} ms  max {max(values):8.1f} ms")
             print(f"   publish (hold + write to storage): median {statistics.median(publish_s) * 1000:.1f} ms")
+            for name, rows in splits.items():
+                keys = [k for k in (*TIMED_CALLS, "trainer send", "other") if any(k in row for row in rows)]
+                print(f"{name:>10} split, median ms per round: "
+                      + ", ".join(f"{k} {statistics.median(row.get(k, 0.0) for row in rows):.1f}" for k in keys))
+            for name, values in times.items():
+                print(f"{name:>10} per round, ms: " + " ".join(f"{v:.1f}" for v in values))
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)

@@ -305,6 +305,11 @@ VLLM_METRIC_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"                       # 
 VLLM_METRIC_NIXL_TRANSFER_SECONDS = "vllm:nixl_xfer_time_seconds"                # histogram (_count: transfers)
 VLLM_METRIC_NIXL_FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers"            # counter (exposed with _total)
 VLLM_METRIC_REQUEST_SUCCESS = "vllm:request_success"                           # counter {finished_reason} (_total)
+# Per finished request, the seconds vLLM's engine ran it: first scheduled -> last token (vLLM 0.32's RUNNING
+# phase, v1/metrics/stats.py; = its prefill + decode phases). On a prefill server that is the prompt's prefill
+# (one token); on a decode server the local last-token step after the KV arrived plus the decode. The queue
+# phase (vllm:request_queue_time_seconds) is left out: on a decode server it also spans the KV transfer.
+VLLM_METRIC_REQUEST_INFERENCE_SECONDS = "vllm:request_inference_time_seconds"  # histogram (_sum, _count)
 
 # --- Metrics the operator serves (operator/rlrun_operator/metrics.py) -----------------------------
 # What the operator exports about its autoscaler (per run; role = prefill | decode)

@@ -10,14 +10,39 @@ The rules, in the order ``decide`` applies them (the first that fires gives the 
 1. **bounds** - a pool outside ``[min, max]`` or pools over ``maxReplicas`` (a hand edit) are stepped one
    replica back inside, never further out.
 2. **hold** while a previous scale is unfinished (a pool's desired != ready replicas), while a weight
-   update is in flight, within one scrape interval after the last resume (the burst queued during the
-   pause lands then), or when a pool has no sample from a ready, warmed-up pod.
+   update is in flight, while the burst queued during the last pause lands (below), or when a pool has no
+   sample from a ready, warmed-up pod. Holds during a pause or its settling keep the pressure streaks as
+   they are (neither counted nor reset).
+   *Settle window* (``after-resume``): hold while ``now - last_resume < clamp(pause, AFTER_RESUME_MIN_S,
+   scrapeIntervalSeconds)``, ``pause`` being how long the engines were paused (:func:`get_pause_seconds`:
+   the mean pause->resume seconds per engine of the weight updates finished since the previous decision,
+   from the orchestrator's ``rlrun_orchestrator_weight_update_seconds`` histogram; while none finished, the
+   value of the last interval that had one; none known: the whole scrape interval, the old rule). Requests
+   are held while the engines are paused (the orchestrator sends none, the paused engines run none), so
+   the burst that lands at the resume is about one pause's worth of work; pools with half their capacity
+   spare drain it within one pause length, and a burst that outlives the window must still be seen in
+   ``CONFIRM_SCRAPES`` decisions, one interval apart, to scale anything. A whole interval after every
+   resume was measured to hold nearly every decision of a run with an update every ~8.5 s
+   (benchmarks/README.md, "Whole run with autoscaling on"). The floor ``AFTER_RESUME_MIN_S`` covers the
+   decision's own imprecision: its pod texts are read within the scrape's timeout (2 s,
+   ``rlrun_operator.observe.SCRAPE_TIMEOUT_S``) around ``now``, so a shorter window could not tell a
+   sample taken before the burst from one taken during it.
 3. **pressure** on a pool: its queue per ready replica is above ``scaleUpWaiting``, or the trainer waited
    for data more than ``trainerWaitFraction`` of the last interval and the queue is above
    ``scaleDownWaiting`` (RL-aware: inference is the bottleneck). If the async gate held generation back
    more than ``gatedFraction`` of the interval (inference waits on the trainer) and the trainer did not
    wait for data beyond ``trainerWaitFraction``, queues are no pressure (a trainer waiting for data means
    inference is the bottleneck, even while the gate is closed because of it).
+   *Starved without a queue* (``trainer-waiting``): when the trainer waited beyond ``trainerWaitFraction``
+   and no pool has queue pressure (engines that run a whole batch at once queue nothing, yet inference is
+   the bottleneck), the pool whose requests ran longer in it gets the pressure: its *phase time*, the mean
+   seconds vLLM ran each request it finished since the previous decision (:func:`get_phase_times`, from
+   ``vllm:request_inference_time_seconds``: prefill on a prefill server, the last prompt token and the
+   decode on a decode server; the queue phase is left out, on decode it spans the KV transfer). A pool
+   whose pods finished fewer than ``MIN_PHASE_REQUESTS`` requests in the interval gives no signal, and
+   without both pools' signals there is none. (A pause adds its length to every request it catches, and
+   a request is caught in proportion to how long it runs, so both pools' times grow by about the same
+   factor and their order holds.)
    Pressure must be seen in ``CONFIRM_SCRAPES`` consecutive decisions (2: one noisy scrape never scales).
 4. **grow** the pressured pool (the one with the higher queue relative to the threshold if both) by one,
    within its max and ``maxReplicas``, after ``upCooldownSeconds`` since the run's last scaling; at the
@@ -25,6 +50,10 @@ The rules, in the order ``decide`` applies them (the first that fires gives the 
    test, at this decision) and it is not under pressure, after ``upCooldownSeconds``: the move answers
    confirmed pressure, so it does not wait out the scale-down window (which cost 150-255 s of reaction in
    benchmarks/autoscaler.py; flapping is still held off by the confirmation, the fit test and rule 2).
+   A move for phase-time pressure must also keep the order it answers: with each pool's time scaled by
+   its replicas before / after (time x N / (N + 1) for the receiving pool, x N / (N - 1) for the giving
+   one: the work spread over the new count), the receiving pool's must stay at least the giving pool's,
+   or the next decision would move the replica back.
 5. **shrink** a pool by one when nothing is pressured, the trainer is not waiting for data and
    ``downCooldownSeconds`` have passed, only if its load spread over N-1 replicas has fitted in every
    decision of the last ``downCooldownSeconds`` (a stabilisation window, like the HPA's): queue / (N-1)
@@ -53,19 +82,30 @@ DECODE = constants.COMPONENT_DECODE
 POOLS = (PREFILL, DECODE)
 HISTORY_LIMIT = 20  # status.scalingHistory maxItems in the CRD
 CONFIRM_SCRAPES = 2  # consecutive decisions that must see a pool's pressure (rule 3); not a spec field
+# The settle window's floor (rule 2): the operator reads a decision's pod texts within the scrape's 2 s
+# timeout (rlrun_operator.observe.SCRAPE_TIMEOUT_S) around ``now``; not a spec field.
+AFTER_RESUME_MIN_S = 2.0
+# Finished requests a pool's pods must report in an interval for its phase time to count (rule 3). The mean
+# of 10 requests whose times spread like lognormal lengths of sigma 0.35-0.5 (benchmarks/autoscaler.py's
+# traces) is within ~11-16 % (sigma / sqrt(n)) of the pool's mean; not a spec field.
+MIN_PHASE_REQUESTS = 10
 
 
 # --- Observations --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PodSample:
     """One inference pod's scrape. ``waiting`` is the queue the policy reads (decode: reason capacity);
-    ``warming`` pods (not ready, or not yet serving the current weights) are left out of every mean."""
+    ``warming`` pods (not ready, or not yet serving the current weights) are left out of every mean.
+    ``phase_s_sum`` / ``phase_count``: the pod's ``vllm:request_inference_time_seconds`` histogram since
+    its start (seconds its engines ran finished requests, and how many finished), counters."""
 
     name: str
     waiting: float
     running: float
     kv_usage: float
     warming: bool = False
+    phase_s_sum: float = 0.0
+    phase_count: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -83,13 +123,17 @@ class PoolObservation:
 
 @dataclass(frozen=True)
 class LoopSample:
-    """The orchestrator's counters (seconds and counts since it started) and the last resume's unix time."""
+    """The orchestrator's counters (seconds and counts since it started) and the last resume's unix time.
+    ``pause_s_sum`` / ``pause_count``: its ``rlrun_orchestrator_weight_update_seconds`` histogram (seconds
+    from pause to resume, one observation per engine per weight update)."""
 
     weight_updates: float = 0.0
     update_in_flight: bool = False
     last_resume_time: float | None = None
     trainer_wait_s: float = 0.0
     gate_wait_s: float = 0.0
+    pause_s_sum: float = 0.0
+    pause_count: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -107,6 +151,7 @@ def get_pod_sample(name: str, role: str, text: str, warming: bool = False) -> Po
     ``vllm:num_requests_waiting_by_reason`` (older vLLMs without it: ``num_requests_waiting``); prefill's
     is ``vllm:num_requests_waiting``. Values of several engines (data parallel) are summed
     (``rlrun_api.prometheus.get_total``, the one rule for repeated samples), KV usage averaged over them.
+    The phase counters are ``vllm:request_inference_time_seconds``'s ``_sum`` and ``_count`` (0 when absent).
 
     Raises:
         ValueError: ``text`` is not Prometheus text.
@@ -118,8 +163,10 @@ def get_pod_sample(name: str, role: str, text: str, warming: bool = False) -> Po
         waiting = get_total(samples, constants.VLLM_METRIC_WAITING_BY_REASON,
                             reason=constants.VLLM_WAITING_REASON_CAPACITY)
     engines = max(1, count_samples(samples, constants.VLLM_METRIC_KV_CACHE_USAGE))
+    phase = constants.VLLM_METRIC_REQUEST_INFERENCE_SECONDS
     return PodSample(name=name, waiting=waiting, running=totals.get(constants.VLLM_METRIC_RUNNING, 0.0),
-                     kv_usage=totals.get(constants.VLLM_METRIC_KV_CACHE_USAGE, 0.0) / engines, warming=warming)
+                     kv_usage=totals.get(constants.VLLM_METRIC_KV_CACHE_USAGE, 0.0) / engines, warming=warming,
+                     phase_s_sum=totals.get(f"{phase}_sum", 0.0), phase_count=totals.get(f"{phase}_count", 0.0))
 
 
 def get_loop_sample(text: str) -> LoopSample:
@@ -135,7 +182,9 @@ def get_loop_sample(text: str) -> LoopSample:
         update_in_flight=samples.get(constants.METRIC_WEIGHT_UPDATE_IN_FLIGHT, 0.0) > 0,
         last_resume_time=resume if resume else None,
         trainer_wait_s=samples.get(f"{constants.METRIC_DATA_WAIT_SECONDS}_total", 0.0),
-        gate_wait_s=samples.get(f"{constants.METRIC_GATE_WAIT_SECONDS}_total", 0.0))
+        gate_wait_s=samples.get(f"{constants.METRIC_GATE_WAIT_SECONDS}_total", 0.0),
+        pause_s_sum=samples.get(f"{constants.METRIC_WEIGHT_UPDATE_SECONDS}_sum", 0.0),
+        pause_count=samples.get(f"{constants.METRIC_WEIGHT_UPDATE_SECONDS}_count", 0.0))
 
 
 # --- State ---------------------------------------------------------------------------------------
@@ -144,6 +193,8 @@ class State:
     """What decide remembers between calls. Only ``last_scale_time`` matters across an operator restart
     (cooldowns), and it is derived from status.scalingHistory (:func:`get_state_from_history`); the rest
     restarts empty, which only delays a decision (pressure must be confirmed again, rates need two samples).
+    ``pause_s``: the last pause length known (rule 2's settle window); ``phase_counters``: each pod's phase
+    counters at the previous decision, ``(pool, pod name, seconds sum, count)`` (rule 3's phase times).
     """
 
     last_scale_time: float | None = None
@@ -152,6 +203,8 @@ class State:
     fits_since: tuple[float | None, float | None] = (None, None)  # since when each pool fit on N-1 replicas
     loop: LoopSample | None = None
     loop_time: float | None = None
+    pause_s: float | None = None
+    phase_counters: tuple[tuple[str, str, float, float], ...] = ()
 
     def streak(self, pool: str) -> int:
         return self.pressure_streak[POOLS.index(pool)]
@@ -170,11 +223,14 @@ class Inputs:
     decode_kv_usage: float = 0.0
     gated_fraction: float | None = None
     trainer_wait_fraction: float | None = None
+    prefill_phase_s: float | None = None  # rule 3's phase times (None: no signal)
+    decode_phase_s: float | None = None
 
     def as_status(self) -> dict[str, float]:
         out = {"prefillWaiting": self.prefill_waiting, "decodeWaiting": self.decode_waiting,
                "prefillKvCacheUsage": self.prefill_kv_usage, "decodeKvCacheUsage": self.decode_kv_usage,
-               "gatedFraction": self.gated_fraction, "trainerWaitFraction": self.trainer_wait_fraction}
+               "gatedFraction": self.gated_fraction, "trainerWaitFraction": self.trainer_wait_fraction,
+               "prefillPhaseSeconds": self.prefill_phase_s, "decodePhaseSeconds": self.decode_phase_s}
         return {k: round(float(v), 4) for k, v in out.items() if v is not None}
 
 
@@ -269,6 +325,65 @@ def _fraction(now_value: float, before: float, seconds: float) -> float | None:
     return min(1.0, max(0.0, (now_value - before) / seconds))
 
 
+def get_pause_seconds(loop: LoopSample | None, previous: LoopSample | None, known: float | None) -> float | None:
+    """The pause length rule 2's settle window follows (pure): the mean pause->resume seconds per engine of
+    the weight updates that finished between ``previous`` and ``loop`` (delta of the histogram's _sum over
+    its _count). The delta, not the histogram's mean since the start: that mean is dominated by history (a
+    run's first updates took 6 s where later ones took 0.3 s, benchmarks/README.md) and would not follow
+    the pause whose burst is landing. Per engine, not per round: under P/D the prefill engines are paused
+    first and resumed last (``weights.update``), so their pause is the round's and decode's is most of it.
+
+    No update finished in the interval (the resume being waited out is an older one): ``known``, the value
+    of the last interval that had one. No previous sample (a fresh State) or a counter reset (the
+    orchestrator restarted): the mean since the orchestrator's start. None when nothing is known.
+    """
+    if loop is None:
+        return known
+    if previous is not None and loop.pause_count >= previous.pause_count and loop.pause_s_sum >= previous.pause_s_sum:
+        count = loop.pause_count - previous.pause_count
+        return (loop.pause_s_sum - previous.pause_s_sum) / count if count > 0 else known
+    return loop.pause_s_sum / loop.pause_count if loop.pause_count > 0 else known
+
+
+def get_settle_window(pause_s: float | None, policy: AutoscalingView) -> float:
+    """Rule 2's settle window after a resume, in seconds: ``pause_s`` clamped to [AFTER_RESUME_MIN_S,
+    scrape interval]; the whole scrape interval when no pause length is known (and the interval wins when
+    it is the shorter of the two bounds)."""
+    if pause_s is None:
+        return policy.scrape_interval_s
+    return min(policy.scrape_interval_s, max(AFTER_RESUME_MIN_S, pause_s))
+
+
+def get_phase_times(observations: Observations, previous: Iterable[tuple[str, str, float, float]]
+                    ) -> tuple[dict[str, float | None], tuple[tuple[str, str, float, float], ...]]:
+    """Rule 3's phase time per pool (pure): the mean seconds vLLM ran each request that the pool's ready,
+    warmed-up pods finished since the previous decision (deltas of each pod's phase counters, summed over
+    the pool's pods, sum over count), and the counters to remember for the next decision.
+
+    A pod seen for the first time (it joined, or the State is fresh) gives no delta until the next decision;
+    one whose counters went down was restarted, and its counters are what it did since, all inside the
+    interval (the same reading of a reset as Prometheus's ``rate``); a pod no longer observed is forgotten.
+    Warming pods are remembered (their delta counts once they are warm) but not read. A pool whose pods
+    finished fewer than ``MIN_PHASE_REQUESTS`` requests gives None (no signal).
+    """
+    before = {(pool, name): (total, count) for pool, name, total, count in previous}
+    out: dict[str, float | None] = {}
+    remember: list[tuple[str, str, float, float]] = []
+    for pool in POOLS:
+        seconds = finished = 0.0
+        for pod in observations.pool(pool).pods:
+            remember.append((pool, pod.name, pod.phase_s_sum, pod.phase_count))
+            last = before.get((pool, pod.name))
+            if last is None or pod.warming:
+                continue
+            if pod.phase_count < last[1] or pod.phase_s_sum < last[0]:  # restarted: all of it is new
+                seconds, finished = seconds + pod.phase_s_sum, finished + pod.phase_count
+            else:
+                seconds, finished = seconds + pod.phase_s_sum - last[0], finished + pod.phase_count - last[1]
+        out[pool] = seconds / finished if finished >= MIN_PHASE_REQUESTS else None
+    return out, tuple(remember)
+
+
 def decide(observations: Observations, state: State, policy: AutoscalingView, now: float) -> Decision:
     """One decision of the autoscaler (pure; the module docstring lists the rules). ``policy``: the run's
     autoscaling view (bounds, budget, cooldowns in seconds, thresholds); ``now``: unix seconds."""
@@ -278,6 +393,8 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
     if loop is not None and state.loop is not None and state.loop_time is not None:
         gated = _fraction(loop.gate_wait_s, state.loop.gate_wait_s, now - state.loop_time)
         trainer_wait = _fraction(loop.trainer_wait_s, state.loop.trainer_wait_s, now - state.loop_time)
+    pause_s = get_pause_seconds(loop, state.loop, state.pause_s)
+    phase, phase_counters = get_phase_times(observations, state.phase_counters)
     pools: dict[str, _Pool] = {}
     saturated = list(state.saturated_running)
     for i, name in enumerate(POOLS):
@@ -292,13 +409,15 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
                             counted=len(counted), saturated=saturated[i])
     inputs = Inputs(prefill_waiting=pools[PREFILL].per_replica, decode_waiting=pools[DECODE].per_replica,
                     prefill_kv_usage=pools[PREFILL].kv, decode_kv_usage=pools[DECODE].kv,
-                    gated_fraction=gated, trainer_wait_fraction=trainer_wait)
+                    gated_fraction=gated, trainer_wait_fraction=trainer_wait,
+                    prefill_phase_s=phase[PREFILL], decode_phase_s=phase[DECODE])
     fits = {p: pools[p].fits_one_fewer(policy) for p in POOLS}
     fits_since = tuple((state.fit_since(p) if state.fit_since(p) is not None else now) if fits[p] else None
                        for p in POOLS)
     next_state = dataclasses.replace(state, saturated_running=(saturated[0], saturated[1]), fits_since=fits_since,
                                      loop=loop if loop is not None else state.loop,
-                                     loop_time=now if loop is not None else state.loop_time)
+                                     loop_time=now if loop is not None else state.loop_time,
+                                     pause_s=pause_s, phase_counters=phase_counters)
     queues = f"queue per replica prefill {inputs.prefill_waiting:.1f}, decode {inputs.decode_waiting:.1f}"
 
     def result(action: str, code: str, reason: str, change: Mapping[str, int] | None = None,
@@ -337,10 +456,12 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
     keep = state.pressure_streak  # samples during a pause are ignored, neither counted nor resetting
     if loop is not None and loop.update_in_flight:
         return result("hold", "weight-update", "a weight update is in flight", streak=keep)
-    if loop is not None and loop.last_resume_time is not None \
-            and now - loop.last_resume_time < policy.scrape_interval_s:
-        return result("hold", "after-resume", f"{now - loop.last_resume_time:.0f} s after a resume (the requests "
-                      "queued during the pause land now)", streak=keep)
+    window = get_settle_window(pause_s, policy)
+    if loop is not None and loop.last_resume_time is not None and now - loop.last_resume_time < window:
+        paused = "no pause length known" if pause_s is None else f"the last pause {pause_s:.1f} s"
+        return result("hold", "after-resume", f"{now - loop.last_resume_time:.1f} s after a resume, inside the "
+                      f"settle window of {window:.1f} s ({paused}; the requests queued during the pause land now)",
+                      streak=keep)
     for name in POOLS:
         if not pools[name].counted:
             return result("hold", "no-samples", f"no ready, warmed-up {name} pod to read", streak=keep)
@@ -355,6 +476,16 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
         q = pools[name].per_replica
         if not is_gated and (q > policy.scale_up_waiting or (starved and q > policy.scale_down_waiting)):
             pressure[name] = q / max(policy.scale_up_waiting, 1e-9)
+    # Starved without a queue: inference is the bottleneck, the pool where requests run longer gets it.
+    phase_hot = None
+    if starved and not pressure and phase[PREFILL] is not None and phase[DECODE] is not None \
+            and phase[PREFILL] != phase[DECODE]:
+        phase_hot = PREFILL if phase[PREFILL] > phase[DECODE] else DECODE
+        pressure[phase_hot] = max(phase[PREFILL], phase[DECODE]) / max(min(phase[PREFILL], phase[DECODE]), 1e-9)
+    phases = ("" if phase_hot is None else
+              f"the trainer waited for data {trainer_wait:.0%} of the interval and no pool queues; requests ran "
+              f"{phase[PREFILL]:.2f} s in prefill, {phase[DECODE]:.2f} s in decode (means of the interval's "
+              "finished requests); ")
     streak = tuple(state.streak(p) + 1 if p in pressure else 0 for p in POOLS)
     confirmed = {p: v for p, v in pressure.items() if streak[POOLS.index(p)] >= CONFIRM_SCRAPES}
     since = math.inf if state.last_scale_time is None else now - state.last_scale_time
@@ -363,8 +494,11 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
     if confirmed:
         hot = max(confirmed, key=lambda p: (confirmed[p], p == DECODE))
         other = DECODE if hot == PREFILL else PREFILL
-        why = ("the trainer waited for data " f"{trainer_wait:.0%} of the interval; " if starved and
-               pools[hot].per_replica <= policy.scale_up_waiting else "") + queues
+        if hot == phase_hot:
+            why = phases + queues
+        else:
+            why = ("the trainer waited for data " f"{trainer_wait:.0%} of the interval; " if starved and
+                   pools[hot].per_replica <= policy.scale_up_waiting else "") + queues
         code = f"{hot}-queue" if pools[hot].per_replica > policy.scale_up_waiting else "trainer-waiting"
         if before[hot] >= policy.bounds(hot).max:
             return result("hold", "pool-max", f"{hot} at its max {before[hot]}; {why}", streak=streak)
@@ -373,6 +507,13 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
                 return result("hold", "up-cooldown", f"{since:.0f} s since the last scaling; {why}", streak=streak)
             return result("grow", code, f"grow {hot}: {why}", {hot: 1}, streak)
         floor = max(1, policy.bounds(other).min)
+        if hot == phase_hot and before[other] > floor:  # the phase times after the move (work spread anew)
+            hot_after = phase[hot] * before[hot] / (before[hot] + 1)
+            other_after = phase[other] * before[other] / (before[other] - 1)
+            if hot_after < other_after:
+                return result("hold", "budget", f"at maxReplicas {policy.max_replicas}; a replica moved from "
+                              f"{other} would make {other} the slower pool ({other_after:.2f} s against "
+                              f"{hot_after:.2f} s); {why}", streak=streak)
         if other not in pressure and before[other] > floor and pools[other].fits_one_fewer(policy):
             if since < policy.up_cooldown_s:  # a move answers confirmed pressure: the up cooldown applies
                 return result("hold", "up-cooldown", f"at maxReplicas {policy.max_replicas}, {since:.0f} s since "
@@ -384,7 +525,7 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
     if pressure or is_gated and not any(pools[p].fits_one_fewer(policy) for p in POOLS):
         return result("hold", "gated" if is_gated else "confirming",
                       ("generation held by the async gate " f"{gated:.0%} of the interval; " if is_gated else
-                       "pressure not yet confirmed; ") + queues, streak=streak)
+                       "pressure not yet confirmed; " + phases) + queues, streak=streak)
 
     # 5. shrink a pool whose load fits on one replica fewer.
     if starved:

@@ -218,7 +218,8 @@ class Orchestrator:
         self.trainer_needs: int | None = None  # the batch the trainer waits for (known from its metrics.jsonl)
         self._round_robin = itertools.count()
         self._loaded_identity: Hashable | None = None
-        self._recorded_version: int | None = None  # what weights.update.write_serving_version last wrote
+        # what weights.update.write_serving_version last wrote: (version, engines left out of service)
+        self._recorded: tuple[int, tuple[str, ...]] | None = None
         self.not_listening: set[str] = set()        # engines left out of the last weight round (starting)
         self._client: httpx.AsyncClient | None = None
         # spec.evaluation and spec.tracking (None when off): rlrun_runtime.evaluation, rlrun_runtime.tracking.
@@ -362,6 +363,8 @@ class Orchestrator:
                                                    previous=self.loaded_version if self.loaded_version >= 0 else None)
                 except EngineError as err:
                     self._set_out_of_service(behind, err.out_of_service)
+                    # the serving version stays; the readiness of an engine left paused turns it away
+                    self._record_serving(self._recorded[0] if self._recorded else max(self.loaded_version, 0))
                     raise
                 finally:
                     if serving_changes:
@@ -384,9 +387,7 @@ class Orchestrator:
             self.metrics.policy_version.set(target)
             self.version_changed.set()
             self.transport.retire(target)
-        if target != self._recorded_version:  # what a prefill or decode pod's readiness compares with
-            write_serving_version(self.storage, target)
-            self._recorded_version = target
+        self._record_serving(target)
         self.weights_stable.set()
         return True
 
@@ -424,6 +425,14 @@ class Orchestrator:
         except httpx.HTTPError:
             return False
         return False
+
+    def _record_serving(self, version: int) -> None:
+        """Write the serving record (what a prefill or decode pod's readiness compares with: the version, and
+        the engines left out of service) when it changed."""
+        record = (version, tuple(sorted(self.out_of_service)))
+        if record != self._recorded:
+            write_serving_version(self.storage, version, self.out_of_service)
+            self._recorded = record
 
     def _set_out_of_service(self, updated: Sequence[str], left_paused: Sequence[str]) -> None:
         """Record which of the engines just ``updated`` a failed update left paused (``left_paused``)."""

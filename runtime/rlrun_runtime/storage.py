@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 STEP_DIGITS = 6
+ADAPTER_DIR = "adapter"  # under a version's weights directory: the LoRA adapter beside the merged weights
 _STEP_RE = re.compile(r"^step-(\d+)(?:\.json)?$")
 
 
@@ -68,6 +69,10 @@ class RunStorage:
     def weights(self, version: int) -> Path:
         """HF directory of policy version ``version`` (>= 1; version 0 is the initial model)."""
         return self.weights_dir / step_name(version)
+
+    def adapter(self, version: int) -> Path:
+        """The LoRA adapter (peft's files) of policy version ``version``, beside its merged weights."""
+        return self.weights(version) / ADAPTER_DIR
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints_dir / step_name(step)

@@ -41,7 +41,7 @@ from .logprobs import LogprobHead, install_logprob_head
 from .loss import LossMetrics, policy_loss_on_device, token_logprobs
 from .packed_attention import FLEX_ATTENTION, get_model_inputs
 from .packing import MicroBatch, count_loss_tokens, count_on_policy_tokens, get_micro_batches, get_packed_micro_batches
-from .storage import RunStorage, append_jsonl
+from .storage import ADAPTER_DIR, RunStorage, append_jsonl
 from .weights import WeightTransport, get_transport
 
 # Files of a model directory that are weights (never copied from the initial model into weights/step-n).
@@ -302,7 +302,7 @@ def publish_weights(model: torch.nn.Module, transport: WeightTransport, version:
                 files = Path(staging)
                 for entry in template_dir.iterdir():  # the model's files, followed by the transport's copy
                     (files / entry.name).symlink_to(entry.resolve())
-                save_adapter(state, lora_config, files / "adapter", dtype)
+                save_adapter(state, lora_config, files / ADAPTER_DIR, dtype)
                 state = merge_lora_state_dict(state, lora_scale)
             if tied:
                 state.pop("lm_head.weight", None)
@@ -393,12 +393,16 @@ def get_attn_implementation(cfg: TrainerView, device: torch.device) -> str:
     return FLEX_ATTENTION if cfg.micro_batch_tokens and device.type == "cuda" else "sdpa"
 
 
+PER_LAYER = "per-layer"  # shard_model's wrap_fsdp value for one FSDP unit per decoder layer at any world size
+
+
 def build_model(model_path: str, cfg: TrainerView, device: torch.device, revision: str | None,
                 compile_layers: bool | None = None, checkpoint_layers: bool | None = None,
-                wrap_fsdp: bool = True) -> Any:
+                wrap_fsdp: bool | str = True) -> Any:
     """Load the HF causal LM in float32 (master weights) and shard it with FSDP2.
 
-    Each decoder layer is its own FSDP unit, then the root. With a bf16/fp16 ``spec.model.dtype`` the
+    With more than one rank each decoder layer is its own FSDP unit, then the root; a world of one is one
+    unit (the root). With a bf16/fp16 ``spec.model.dtype`` the
     forward and backward run in that dtype (``MixedPrecisionPolicy`` over float32 shards, gradients reduced
     in float32), so the trainer's logprobs come from the same precision vLLM serves with while the float32
     master weights still hold updates far below bf16's resolution. The LM head is replaced by a
@@ -445,13 +449,14 @@ def get_checkpointed_layers(mode: str, interval: int, num_layers: int) -> list[i
 
 
 def shard_model(model: Any, cfg: TrainerView, device: torch.device, compile_layers: bool | None = None,
-                checkpoint_layers: bool | None = None, wrap_fsdp: bool = True, base_name: str = "") -> Any:
+                checkpoint_layers: bool | None = None, wrap_fsdp: bool | str = True, base_name: str = "") -> Any:
     """The part of :func:`build_model` after loading: device, LogprobHead, LoRA adapters (``cfg.lora_rank``
     > 0: :func:`rlrun_runtime.lora.apply_lora`, only the adapters train), float8 linear layers (``cfg.quantization``
     fp8: :func:`rlrun_runtime.fp8.apply_fp8`), per-layer compile and activation checkpointing (the spec's, or
     ``compile_layers`` / ``checkpoint_layers`` when not None), FSDP2 (parameters stay gathered between forward
     and backward at world size 1, where resharding would only copy them again).
 
+    ``wrap_fsdp=PER_LAYER`` makes a unit per decoder layer at world size 1 too (the benchmark's comparison).
     ``wrap_fsdp=False`` (world size 1 only) leaves the model unwrapped: float32 parameters with the forward
     under ``torch.autocast`` in the compute dtype (the Trainer enters it); the benchmark compares the two.
 
@@ -492,12 +497,16 @@ def shard_model(model: Any, cfg: TrainerView, device: torch.device, compile_laye
     if not wrap_fsdp and world > 1:
         raise ValueError(f"wrap_fsdp=False needs a world of one, not {world} ranks")
     reshard = world > 1 if dist.is_initialized() else True
+    # A world of one holds every parameter whole anyway: one FSDP unit (the root) gathers them in one copy
+    # instead of one per layer with its own hooks (the per-layer units cost ~7% of a step at the 0.6B shape on
+    # an H200, benchmarks/README.md). More ranks: a unit per decoder layer, so only one layer is gathered at once.
+    per_layer = world > 1 or wrap_fsdp == PER_LAYER
     for i, layer in enumerate(layers):
         if compile_layers:
             layer.forward = torch.compile(layer.forward, dynamic=False)
         if i in checkpointed:
             layer.forward = _checkpointed(layer.forward)
-        if wrap_fsdp:
+        if wrap_fsdp and per_layer:
             fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard)
     if wrap_fsdp:
         fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
@@ -525,7 +534,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainerView, storage: RunStorage, model_path: str, rank: int, world: int,
                  device: torch.device, compile_layers: bool | None = None, checkpoint_layers: bool | None = None,
-                 wrap_fsdp: bool = True):
+                 wrap_fsdp: bool | str = True):
         self.cfg = cfg
         self.storage, self.rank, self.world, self.device = storage, rank, world, device
         self.transport = get_transport(self.cfg.weight_transport, storage)

@@ -102,9 +102,11 @@ class ReadinessMiddleware:
     current policy version, else 503; every other request passes through untouched.
 
     "Current" is the version the orchestrator last loaded on every engine
-    (``weights.update.read_serving_version`` under ``RLRUN_STORAGE_DIR``); the decision is
+    (``weights.update.read_serving_record`` under ``RLRUN_STORAGE_DIR``); the decision is
     ``weights.update.get_readiness`` on the engine's own version (``EngineClient.get_weight_version``, what
-    ``GET /weight_info`` reports). A dead engine (``check_health`` raises) is not ready either. The JSON body
+    ``GET /weight_info`` reports). A dead engine (``check_health`` raises) is not ready either, nor one the
+    record lists as out of service (a failed update left it paused: it would hold whatever the router sent it;
+    the orchestrator still reaches it directly and resumes it in a later round). The JSON body
     says why: ``{"ready": bool, "reason": str}``. This is the pod's readinessProbe in a cluster, so a pod that
     joins (scale-up, restart) starts from the initial model, is updated by the orchestrator (which sees
     not-ready pods: the pools' headless Services publish them) and gets traffic from the router, which adds
@@ -134,7 +136,7 @@ class ReadinessMiddleware:
     async def readiness(self, scope: dict[str, Any]) -> tuple[bool, str]:
         """(ready, reason) of this server now."""
         from rlrun_runtime.storage import RunStorage
-        from rlrun_runtime.weights.update import get_readiness, read_serving_version
+        from rlrun_runtime.weights.update import get_readiness, is_listed, read_serving_record
 
         app = scope.get("app")
         client = getattr(getattr(app, "state", None), "engine_client", None)
@@ -156,8 +158,22 @@ class ReadinessMiddleware:
         except Exception as err:  # noqa: BLE001 - a broken engine: not ready, said why
             return False, f"engine not healthy: {type(err).__name__}: {err}"
         root = os.environ.get(constants.ENV_STORAGE_DIR, "").strip()
-        current = read_serving_version(RunStorage(root)) if root else None
-        return get_readiness(version, current)
+        record = read_serving_record(RunStorage(root)) if root else None
+        left = record is not None and is_listed(self.addresses(scope), record.out_of_service)
+        return get_readiness(version, None if record is None else record.version, out_of_service=left)
+
+    @staticmethod
+    def addresses(scope: dict[str, Any]) -> list[tuple[str, int]]:
+        """(host, port) this server is reached at: the address the probe came in on (the kubelet probes the
+        pod IP) and, on the same port, ``POD_IP`` (what the orchestrator resolves the headless Service to)."""
+        server = scope.get("server")
+        if not server or server[1] is None:
+            return []
+        found = [(str(server[0]), int(server[1]))]
+        pod_ip = os.environ.get(constants.ENV_POD_IP, "").strip()
+        if pod_ip:
+            found.append((pod_ip, int(server[1])))
+        return found
 
     def _remember(self, done: "asyncio.Future[Any]") -> None:
         if not done.cancelled() and done.exception() is None:

@@ -30,7 +30,7 @@ from rlrun_api.views import OrchestratorView
 from rlrun_runtime.storage import RunStorage, atomic_directory
 from rlrun_runtime.vllm_admin import EngineError
 from rlrun_runtime.vllm_plugin import ReadinessMiddleware
-from rlrun_runtime.weights.update import read_serving_version
+from rlrun_runtime.weights.update import read_serving_record, read_serving_version
 from vllm_role import LOOPBACK, free_port, tiny_rlrun
 
 START_S = 30.0  # a stand-in engine's start, on a loaded machine
@@ -44,6 +44,7 @@ class StandInEngine:
         self.port, self.version, self.broken = port, version, False
         self.hang_health = self.stopping = False  # hang_health: GET /health never answers (a stalled engine)
         self.calls: list[str] = []
+        self.fail: set[str] = set()  # POST paths answered with HTTP 500
         self.on_pause: Any = None  # called at each POST /pause, its result kept in self.at_pause
         self.at_pause: list[Any] = []
         app = Starlette(routes=[Route("/health", self.health), Route("/weight_info", self.weight_info),
@@ -94,6 +95,8 @@ class StandInEngine:
         if path == "/pause" and self.on_pause is not None:
             self.at_pause.append(self.on_pause())
         body = await request.body()
+        if path in self.fail:
+            return JSONResponse({"error": f"{path} failed"}, status_code=500)
         if path == "/update_weight_version":
             self.version = json.loads(body)["new_version"]
         return JSONResponse({"success": True} if path == "/reset_prefix_cache" else {"status": "ok"})
@@ -172,6 +175,40 @@ def test_a_joining_decode_pod_is_loaded_before_it_is_ready(tmp_path, monkeypatch
     asyncio.run(orchestrator.sync_weights_once())
     assert {e.version for e in (prefill, decode, joined)} == {"2"} and read_serving_version(storage) == 2
     assert {e.ready() for e in (prefill, decode, joined)} == {200}
+
+
+def test_an_engine_left_paused_by_a_failed_update_is_not_ready_until_a_later_round_resumes_it(tmp_path, monkeypatch,
+                                                                                           engines):
+    """A decode engine whose load and restore fail is left paused (out of service): the record names it, so its
+    readiness turns the router away from it (it would hold every request) while prefill, already at the new
+    version, stays ready; the next round updates and resumes it, and it is ready again."""
+    monkeypatch.setenv(c.ENV_STORAGE_DIR, str(tmp_path))
+    storage = RunStorage(tmp_path)
+    prefill, decode = engines(), engines()
+    orchestrator = pd_orchestrator(storage, [f"{LOOPBACK}:{e.port}" for e in (prefill, decode)],
+                                   [f"{LOOPBACK}:{prefill.port}"])
+    asyncio.run(orchestrator.sync_weights_once())  # version 0 named
+    publish(storage, 1)
+    asyncio.run(orchestrator.sync_weights_once())
+    assert (prefill.version, decode.version) == ("1", "1") and read_serving_record(storage).out_of_service == ()
+
+    publish(storage, 2)
+    decode.fail = {"/collective_rpc"}  # the load of version 2 and the restore of version 1 both fail
+    with pytest.raises(EngineError) as failed:
+        asyncio.run(orchestrator.sync_weights_once())
+    assert failed.value.out_of_service == (decode.url,) and orchestrator.out_of_service == {decode.url}
+    record = read_serving_record(storage)
+    assert record is not None and record.version == 1
+    assert record.out_of_service == (decode.url,)
+    assert (prefill.version, prefill.ready()) == ("2", 200)
+    response = httpx.get(f"{decode.url}{c.INFERENCE_READY_PATH}", timeout=10)
+    assert response.status_code == 503 and "out of service" in response.json()["reason"]
+
+    decode.fail = set()
+    asyncio.run(orchestrator.sync_weights_once())
+    assert decode.version == "2" and decode.calls[-1] == "/resume" and orchestrator.out_of_service == set()
+    assert read_serving_record(storage).version == 2 and read_serving_record(storage).out_of_service == ()
+    assert decode.ready() == prefill.ready() == 200
 
 
 def test_an_engine_that_listens_but_fails_still_fails_the_round(tmp_path, engines):

@@ -4,6 +4,7 @@ push service, the orchestrator's update sequence (one server for the module; the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -134,6 +135,56 @@ def test_rlrun_local_runs_with_the_gloo_transport_and_corrupts_nothing(tmp_path)
     assert kls[-1] <= max(1.1 * kls[0], 1e-8), kls
     # the rollouts of late steps came from pushed versions, so the pushed weights were really used
     assert rows[-1]["min_sample_policy_version"] >= 1, rows[-1]
+
+
+STOP_TIMEOUT_S = 5.0  # the stopped server's push timeout (gloo collectives and store waits)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_a_server_stopped_during_the_push_is_named_and_the_wait_is_bounded(setup):
+    """SIGSTOP of a server after the first bucket (a frozen node: its sockets stay open, nothing answers): the
+    trainer's push ends within its timeout, the orchestrator's update fails within the timeout + 30 s of the
+    trainer's answer (not after the 900 s reload bound) naming the server and leaving it out of service, and
+    once the stopped server is killed no process of it survives. Its own server, storage and push service, so
+    the module's server and its push endpoint stay as they were."""
+    root = setup["root"] / "stopped"
+    storage = root / "storage"
+    started: list = []
+    with inference_server(setup["config"], storage, root.parent / "stopped-vllm.log", started) as url:
+        proc = started[0]
+        template = root / "template"
+        template.mkdir(parents=True)
+        for name in MODEL_FILES:
+            if (storage / "model" / name).is_file():
+                (template / name).write_bytes((storage / "model" / name).read_bytes())
+        transport = PushTransport(RunStorage(storage), timeout_s=STOP_TIMEOUT_S, bucket_bytes=BUCKET_BYTES)
+
+        def stop_after_first(record, index, count):
+            if index == 0:
+                os.killpg(proc.pid, signal.SIGSTOP)
+
+        transport.start_service(on_bucket=stop_after_first)
+        try:
+            transport.publish(perturbed_state(storage / "model", seed=3), 1, template)
+            start = time.monotonic()
+            with pytest.raises(EngineError) as failure:
+                asyncio.run(update_engines([url], 1, transport, previous=0, timeout_s=5.0, retries=0))
+            elapsed = time.monotonic() - start
+            print(f"\nstopped server: update failed after {elapsed:.1f} s: {failure.value}")
+            assert url in str(failure.value) and url in failure.value.out_of_service
+            record = next(iter(transport.service.records.values()))
+            assert record.finished.wait(STOP_TIMEOUT_S + 30)
+            assert record.seconds < STOP_TIMEOUT_S + 5.0  # the trainer's own wait, bounded by the push timeout
+            # the update: the trainer's answer within its timeout, then timeout + 30 s for the engine, then
+            # resume and the out-of-service report (5 s each for the HTTP calls), with room for a loaded machine
+            assert elapsed < 2 * STOP_TIMEOUT_S + 30.0 + 60.0, elapsed
+        finally:
+            transport.close(timeout_s=0.0, grace_s=0.0)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGCONT)
+    assert group_gone(proc.pid, 30.0)
 
 
 @pytest.mark.vllm

@@ -242,9 +242,9 @@ def test_lora_trainer_publishes_merged_weights_and_adapter_and_resumes(tmp_path)
         assert published.keys() == base.keys()
         moved = {k for k in base if not torch.equal(published[k], base[k])}
         assert moved == {k for k in base if k.split(".")[-2] in ("q_proj", "v_proj", "down_proj")}
-        adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+        adapter = load_file(storage.adapter(3) / "adapter_model.safetensors")
         assert len(adapter) == 2 * 3 * 2 and all(k.startswith("base_model.model.model.layers.") for k in adapter)
-        assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 4
+        assert json.loads((storage.adapter(3) / "adapter_config.json").read_text())["r"] == 4
         AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)  # loadable as a plain model
         final[storage.root.name] = published
     for key in base:  # same tolerance and reason as the full fine-tuning test above

@@ -4,10 +4,12 @@ and a short run of benchmarks/autoscaler.py against its targets."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from rlrun_api import constants, prometheus
 from rlrun_api.spec import apply_defaults
@@ -81,6 +83,19 @@ ORCHESTRATOR_TEXT = f"""\
 """
 
 
+def get_histogram_text(name: str, observations: dict[str, list[float]], labels: dict[str, str] | None = None) -> str:
+    """The exposition text prometheus_client (what vLLM and the orchestrator export with) writes for a
+    histogram ``name`` that observed ``observations[engine]`` per engine label (no engine label: key "")."""
+    registry = CollectorRegistry()
+    names = ["engine", *(labels or {})] if "" not in observations else []
+    hist = Histogram(name, "test", names, registry=registry)
+    for engine, values in observations.items():
+        child = hist.labels(engine, *(labels or {}).values()) if names else hist
+        for v in values:
+            child.observe(v)
+    return generate_latest(registry).decode()
+
+
 @pytest.mark.parametrize("role, text, waiting, running, kv", [
     (PREFILL, PREFILL_TEXT, 34.0, 0.0, 0.011353925039677693),
     (DECODE, DECODE_TEXT, 0.0, 1.0, 0.0002441704309608106),   # deferred (KV arriving) is not decode load
@@ -95,10 +110,24 @@ def test_pod_sample_from_real_vllm_text(role, text, waiting, running, kv):
 
 
 def test_loop_sample_from_orchestrator_text():
-    loop = autoscale.get_loop_sample(ORCHESTRATOR_TEXT)
+    pauses = get_histogram_text(constants.METRIC_WEIGHT_UPDATE_SECONDS, {"": [0.25, 0.5, 6.0]})
+    loop = autoscale.get_loop_sample(ORCHESTRATOR_TEXT + pauses)
     assert loop == LoopSample(weight_updates=12.0, update_in_flight=True, last_resume_time=1.7645e9,
-                              trainer_wait_s=30.5, gate_wait_s=4.25)
+                              trainer_wait_s=30.5, gate_wait_s=4.25, pause_s_sum=6.75, pause_count=3.0)
+    assert autoscale.get_loop_sample(ORCHESTRATOR_TEXT) == dataclasses.replace(loop, pause_s_sum=0.0, pause_count=0.0)
     assert autoscale.get_loop_sample("") == LoopSample()
+
+
+def test_phase_counters_from_vllm_text_are_summed_over_engines():
+    """vLLM 0.32's per-engine histogram of the RUNNING phase (v1/metrics/loggers.py), labelled engine and
+    model_name like its gauges: _sum and _count are summed over the engines, the buckets are not read."""
+    text = get_histogram_text(constants.VLLM_METRIC_REQUEST_INFERENCE_SECONDS,
+                              {"0": [0.5, 1.5], "1": [2.0, 2.0, 4.0]}, {"model_name": "policy"})
+    sample = autoscale.get_pod_sample("d0", DECODE, DECODE_TEXT + text)
+    assert (sample.phase_s_sum, sample.phase_count) == (10.0, 5.0)
+    assert (sample.waiting, sample.running) == (0.0, 1.0)  # the gauges read as before
+    bare = autoscale.get_pod_sample("d0", DECODE, DECODE_TEXT)
+    assert (bare.phase_s_sum, bare.phase_count) == (0.0, 0.0)
 
 
 def test_garbage_text_raises():
@@ -162,6 +191,35 @@ def loop_pair(gate: float, trainer: float, interval: float = 15.0) -> tuple[Stat
     return state, LoopSample(gate_wait_s=gate * interval, trainer_wait_s=trainer * interval)
 
 
+def phase_pool(n: int, seconds: float, finished: float, k: int, waiting: float = 0.0, running: float = 64.0,
+               kv: float = 0.5, base: float = 0.0) -> PoolObservation:
+    """n replicas after ``k`` intervals in which each replica finished ``finished`` requests that ran
+    ``seconds`` each (its phase counters), with ``waiting`` queued and ``running`` running per replica."""
+    pods = tuple(PodSample(f"p{i}", waiting, running, kv, phase_s_sum=base + k * finished * seconds,
+                           phase_count=k * finished) for i in range(n))
+    return PoolObservation(desired=n, ready=n, pods=pods)
+
+
+def run_phases(prefill_s: float, decode_s: float, trainer: float = 0.6, gate: float = 0.0, n: tuple[int, int] = (2, 2),
+               finished: float = 32.0, times: int = 4, policy: AutoscalingView = POLICY, waiting: float = 0.0,
+               prefill_kw: dict | None = None, decode_kw: dict | None = None) -> list[autoscale.Decision]:
+    """``times`` decisions one scrape interval apart of a loop where the trainer waits ``trainer`` and the gate
+    holds ``gate`` of every interval, and each pool's requests run ``prefill_s`` / ``decode_s`` seconds; stops
+    at the first that changes replicas."""
+    interval = policy.scrape_interval_s
+    state, out = State(), []
+    for k in range(times):
+        loop = LoopSample(trainer_wait_s=k * trainer * interval, gate_wait_s=k * gate * interval)
+        obs = Observations(phase_pool(n[0], prefill_s, finished, k, **{"waiting": waiting, **(prefill_kw or {})}),
+                           phase_pool(n[1], decode_s, finished, k, **{"waiting": waiting, **(decode_kw or {})}), loop)
+        d = decide(obs, state, policy, NOW + k * interval)
+        out.append(d)
+        if d.changed:
+            break
+        state = d.state
+    return out
+
+
 # --- tables ---------------------------------------------------------------------------------------
 CASES = [
     # (id, prefill, decode, expected (prefill, decode), code)
@@ -212,6 +270,138 @@ def test_pause_samples_are_ignored(loop, code):
         assert (not d.changed, d.code) == (True, code)
         state = d.state
     assert state.pressure_streak == (0, 0)  # not counted either
+
+
+@pytest.mark.parametrize("pause, age, code", [
+    (0.4, 1.0, "after-resume"),   # inside the floor AFTER_RESUME_MIN_S (2 s)
+    (0.4, 3.0, "balanced"),       # a 0.4 s pause settles after 2 s, not after a whole 15 s interval
+    (6.0, 5.0, "after-resume"),   # the window follows a long pause
+    (6.0, 7.0, "balanced"),
+    (40.0, 14.0, "after-resume"),  # capped at the scrape interval (15 s)
+    (40.0, 16.0, "balanced"),
+    (None, 14.0, "after-resume"),  # no pause length known: the whole interval, as before
+])
+def test_the_settle_window_follows_the_pause(pause, age, code):
+    previous = LoopSample(pause_s_sum=10.0, pause_count=4.0)
+    loop = dataclasses.replace(previous, last_resume_time=NOW - age)
+    if pause is not None:  # two engines paused ``pause`` seconds each in this interval
+        loop = dataclasses.replace(loop, pause_s_sum=10.0 + 2 * pause, pause_count=6.0)
+    state = State(loop=previous, loop_time=NOW - 15)
+    d = decide(Observations(pool(2, 1), pool(2, 1), loop), state, POLICY, NOW)
+    assert d.code == code, d.reason
+    assert d.state.pause_s == (None if pause is None else pytest.approx(pause))
+
+
+@pytest.mark.parametrize("loop, previous, known, expected", [
+    (LoopSample(pause_s_sum=13.0, pause_count=6.0), LoopSample(pause_s_sum=10.0, pause_count=4.0), None, 1.5),
+    (LoopSample(pause_s_sum=10.0, pause_count=4.0), LoopSample(pause_s_sum=10.0, pause_count=4.0), 0.7, 0.7),
+    (LoopSample(pause_s_sum=2.0, pause_count=2.0), LoopSample(pause_s_sum=10.0, pause_count=4.0), 0.7, 1.0),  # reset
+    (LoopSample(pause_s_sum=12.0, pause_count=4.0), None, None, 3.0),  # fresh State: the mean since the start
+    (LoopSample(), None, 0.7, 0.7),
+    (LoopSample(), None, None, None),
+    (None, LoopSample(pause_s_sum=10.0, pause_count=4.0), 0.7, 0.7),  # orchestrator not read
+])
+def test_pause_seconds(loop, previous, known, expected):
+    assert autoscale.get_pause_seconds(loop, previous, known) == expected
+
+
+@pytest.mark.parametrize("pause, interval, window", [
+    (None, 15.0, 15.0), (0.3, 15.0, 2.0), (6.0, 15.0, 6.0), (100.0, 15.0, 15.0), (0.3, 1.0, 1.0), (5.0, 2.0, 2.0)])
+def test_settle_window_is_the_pause_clamped(pause, interval, window):
+    policy = dataclasses.replace(POLICY, scrape_interval_s=interval)
+    assert autoscale.get_settle_window(pause, policy) == window
+
+
+@settings(max_examples=300, deadline=None)
+@given(pause=st.floats(0.0, 60.0), age=st.floats(0.0, 30.0), interval=st.sampled_from([2.0, 10.0, 15.0, 30.0]))
+def test_after_resume_holds_exactly_inside_the_clamped_pause(pause, age, interval):
+    policy = dataclasses.replace(POLICY, scrape_interval_s=interval)
+    state = State(loop=LoopSample(), loop_time=NOW - interval)
+    loop = LoopSample(last_resume_time=NOW - age, pause_s_sum=2 * pause, pause_count=2.0)
+    d = decide(Observations(pool(2, 1), pool(2, 1), loop), state, policy, NOW)
+    window = min(interval, max(autoscale.AFTER_RESUME_MIN_S, pause))
+    assume(abs(age - window) > 1e-6)  # now - (NOW - age) is age only to float precision
+    assert (d.code == "after-resume") == (age < window), (d.reason, window)
+    assert not d.changed
+
+
+def test_streaks_are_kept_across_the_settle_window():
+    """A confirmed-once queue, then a decision inside the settle window (held, streak kept), then one after
+    it: the second sighting confirms the pressure."""
+    obs = Observations(pool(2, 10), pool(2, 1), LoopSample(pause_s_sum=1.0, pause_count=2.0))
+    first = decide(obs, State(), POLICY, NOW)
+    assert first.code == "confirming" and first.state.pressure_streak == (1, 0)
+    resumed = dataclasses.replace(obs.loop, last_resume_time=NOW + 15 - 1.0, pause_s_sum=2.0, pause_count=4.0)
+    held = decide(dataclasses.replace(obs, loop=resumed), first.state, POLICY, NOW + 15)
+    assert held.code == "after-resume" and held.state.pressure_streak == (1, 0)
+    grown = decide(dataclasses.replace(obs, loop=resumed), held.state, POLICY, NOW + 30)
+    assert (grown.prefill, grown.decode, grown.code) == (3, 2, "prefill-queue"), grown.reason
+
+
+def test_phase_times_per_pool_from_pod_counter_deltas():
+    previous = ((PREFILL, "p0", 10.0, 20.0), (PREFILL, "gone", 5.0, 5.0), (PREFILL, "w", 1.0, 1.0),
+                (DECODE, "d0", 100.0, 20.0), (DECODE, "d1", 50.0, 40.0))
+    obs = Observations(
+        PoolObservation(3, 3, (PodSample("p0", 0, 0, 0, phase_s_sum=13.0, phase_count=40.0),
+                               PodSample("new", 0, 0, 0, phase_s_sum=50.0, phase_count=30.0),  # joined
+                               PodSample("w", 0, 0, 0, warming=True, phase_s_sum=9.0, phase_count=20.0))),
+        PoolObservation(2, 2, (PodSample("d0", 0, 0, 0, phase_s_sum=160.0, phase_count=40.0),
+                               PodSample("d1", 0, 0, 0, phase_s_sum=30.0, phase_count=12.0))))  # d1 restarted
+    times, remember = autoscale.get_phase_times(obs, previous)
+    assert times[PREFILL] == pytest.approx(3.0 / 20)                # p0 only: new and warming pods give no delta
+    assert times[DECODE] == pytest.approx((60.0 + 30.0) / (20 + 12))  # d1's counters since its restart
+    assert remember == ((PREFILL, "p0", 13.0, 40.0), (PREFILL, "new", 50.0, 30.0), (PREFILL, "w", 9.0, 20.0),
+                        (DECODE, "d0", 160.0, 40.0), (DECODE, "d1", 30.0, 12.0))  # "gone" is forgotten
+    few = Observations(PoolObservation(1, 1, (PodSample("p0", 0, 0, 0, phase_s_sum=11.0, phase_count=20.0 +
+                                                        autoscale.MIN_PHASE_REQUESTS - 1),)), obs.decode)
+    assert autoscale.get_phase_times(few, previous)[0][PREFILL] is None  # too few finished: no signal
+    assert autoscale.get_phase_times(obs, ())[0] == {PREFILL: None, DECODE: None}  # fresh State
+
+
+@pytest.mark.parametrize("prefill_s, decode_s, expected", [
+    (0.3, 4.0, (2, 3)),   # requests spend their time in decode: decode grows
+    (3.0, 0.5, (3, 2)),   # in prefill: prefill grows
+])
+def test_a_starved_trainer_without_queues_grows_the_pool_where_requests_run_longer(prefill_s, decode_s, expected):
+    """The live run's case (benchmarks/README.md, whole run with autoscaling on): the engines run a whole
+    batch at once (no queue) and the trainer waits for data: the pool with the longer phase time grows,
+    after CONFIRM_SCRAPES decisions with both pools' phase times (the first decision has no deltas yet)."""
+    decisions = run_phases(prefill_s, decode_s)
+    assert [d.code for d in decisions] == ["balanced", "confirming", "trainer-waiting"], \
+        [d.reason for d in decisions]
+    d = decisions[-1]
+    assert (d.prefill, d.decode, d.action) == (*expected, "grow")
+    assert f"{prefill_s:.2f} s in prefill, {decode_s:.2f} s in decode" in d.reason and "60%" in d.reason
+    assert (d.inputs.prefill_phase_s, d.inputs.decode_phase_s) == pytest.approx((prefill_s, decode_s))
+
+
+@pytest.mark.parametrize("kw, code", [
+    ({"trainer": 0.1}, "balanced"),                 # not starved: phase times are no reason to grow
+    ({"trainer": 0.1, "gate": 0.9}, "gated"),       # inference waits on the trainer
+    ({"finished": autoscale.MIN_PHASE_REQUESTS / 2 - 1}, "trainer-waiting"),  # too few requests: no signal
+])
+def test_phase_times_alone_change_nothing_unless_starved(kw, code):
+    decisions = run_phases(0.3, 4.0, **kw)
+    assert not any(d.changed for d in decisions), [d.reason for d in decisions]
+    assert decisions[-1].code == code and decisions[-1].action == "hold", decisions[-1].reason
+
+
+def test_queue_pressure_wins_over_phase_times():
+    """Starved, decode's requests run longer, but prefill queues above scaleUpWaiting: the queue decides."""
+    decisions = run_phases(0.3, 4.0, prefill_kw={"waiting": 10.0})
+    d = decisions[-1]
+    assert (d.prefill, d.decode, d.code) == (3, 2, "prefill-queue"), d.reason
+
+
+@pytest.mark.parametrize("prefill_s, decode_s, expected, code", [
+    (0.5, 3.0, (3, 5), "trainer-waiting"),  # 3.0 x 4/5 = 2.4 >= 0.5 x 4/3: moving keeps decode the slower
+    (0.9, 1.0, (4, 4), "budget"),           # 1.0 x 4/5 = 0.8 < 0.9 x 4/3 = 1.2: the move would be undone
+])
+def test_a_phase_time_move_at_the_budget_must_keep_the_order(prefill_s, decode_s, expected, code):
+    decisions = run_phases(prefill_s, decode_s, n=(4, 4), prefill_kw={"running": 0.0, "kv": 0.1})
+    d = decisions[-1]
+    assert ((d.prefill, d.decode), d.code) == (expected, code), d.reason
+    assert d.action == ("move" if code == "trainer-waiting" else "hold")
 
 
 def test_gated_generation_never_grows():
@@ -320,8 +510,9 @@ def test_the_policy_defaults_are_the_documented_ones():
 
 
 # --- properties -----------------------------------------------------------------------------------
-samples = st.builds(PodSample, name=st.just("p"), waiting=st.floats(0, 100), running=st.floats(0, 64),
-                    kv_usage=st.floats(0, 1), warming=st.booleans())
+samples = st.builds(PodSample, name=st.sampled_from(["p0", "p1", "p2"]), waiting=st.floats(0, 100),
+                    running=st.floats(0, 64), kv_usage=st.floats(0, 1), warming=st.booleans(),
+                    phase_s_sum=st.floats(0, 1e4), phase_count=st.floats(0, 1e3))
 
 
 @st.composite
@@ -331,8 +522,21 @@ def observations(draw):
         ready = draw(st.sampled_from([n, max(0, n - 1)]))
         return PoolObservation(desired=n, ready=ready, pods=tuple(draw(st.lists(samples, max_size=8))))
     loop = draw(st.none() | st.builds(LoopSample, update_in_flight=st.booleans(),
-                                      trainer_wait_s=st.floats(0, 1e4), gate_wait_s=st.floats(0, 1e4)))
+                                      trainer_wait_s=st.floats(0, 1e4), gate_wait_s=st.floats(0, 1e4),
+                                      last_resume_time=st.none() | st.floats(NOW - 60, NOW),
+                                      pause_s_sum=st.floats(0, 100), pause_count=st.floats(0, 20)))
     return Observations(one(), one(), loop)
+
+
+# A State that saw some counters one interval ago (so that rates, pause lengths and phase times have deltas).
+previous_states = st.builds(
+    lambda streak, since, trainer, gate, counters: State(
+        pressure_streak=streak, last_scale_time=None if since is None else NOW - since, saturated_running=(4.0, 4.0),
+        loop=LoopSample(trainer_wait_s=trainer, gate_wait_s=gate), loop_time=NOW - 15,
+        phase_counters=tuple(counters)),
+    st.tuples(st.integers(0, 3), st.integers(0, 3)), st.none() | st.floats(0, 1000), st.floats(0, 1e4),
+    st.floats(0, 1e4), st.lists(st.tuples(st.sampled_from([PREFILL, DECODE]), st.sampled_from(["p0", "p1", "p2"]),
+                                          st.floats(0, 1e4), st.floats(0, 1e3)), max_size=6))
 
 
 policies = st.builds(lambda pmin, dmin, extra, dn: dataclasses.replace(DEFAULTS, prefill=PoolBounds(pmin, pmin + 3),
@@ -365,6 +569,23 @@ def test_never_over_budget_or_under_min_and_steps_of_one(obs, policy, streak, si
             d.code == "bounds"
 
 
+@settings(max_examples=300, deadline=None)
+@given(obs=observations(), policy=policies, state=previous_states)
+def test_never_over_budget_or_under_min_with_every_signal(obs, policy, state):
+    """The same bounds with counters that give rates, pause lengths and phase times (any values)."""
+    d = decide(obs, state, policy, NOW)
+    before = (obs.prefill.desired, obs.decode.desired)
+    after = (d.prefill, d.decode)
+    assert all(abs(a - b) <= 1 for a, b in zip(after, before)) and min(after) >= 1
+    assert sum(after) <= max(sum(before), policy.max_replicas)
+    if d.code != "bounds" and d.changed:
+        assert policy.prefill.min <= d.prefill <= policy.prefill.max
+        assert policy.decode.min <= d.decode <= policy.decode.max
+        assert obs.prefill.desired == obs.prefill.ready and obs.decode.desired == obs.decode.ready
+    if obs.loop is not None and obs.loop.update_in_flight and d.code != "bounds":
+        assert not d.changed
+
+
 @settings(max_examples=200, deadline=None)
 @given(n_p=st.integers(1, 4), n_d=st.integers(1, 4), q=st.floats(0.6, 3.9), kv=st.floats(0.45, 0.79),
        steps=st.integers(1, 40))
@@ -376,6 +597,42 @@ def test_constant_balanced_load_never_changes_anything(n_p, n_d, q, kv, steps):
         d = decide(obs, state, POLICY, NOW + 15 * i)
         assert not d.changed, d.reason
         state = d.state
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_p=st.integers(1, 4), n_d=st.integers(1, 4), q=st.floats(0.6, 3.9), kv=st.floats(0.45, 0.79),
+       prefill_s=st.floats(0.01, 30), decode_s=st.floats(0.01, 30), trainer=st.floats(0, 0.19), steps=st.integers(2, 12))
+def test_balanced_load_that_does_not_starve_the_trainer_never_changes_with_phase_times(n_p, n_d, q, kv, prefill_s,
+                                                                                     decode_s, trainer, steps):
+    """Phase times are read only when the trainer waits for data: however different, they change nothing
+    while it does not (trainer wait at or under trainerWaitFraction)."""
+    decisions = run_phases(prefill_s, decode_s, trainer=trainer, n=(n_p, n_d), times=steps, waiting=q,
+                           prefill_kw={"kv": kv, "running": 8}, decode_kw={"kv": kv, "running": 8})
+    assert not any(d.changed for d in decisions), decisions[-1].reason
+
+
+@settings(max_examples=200, deadline=None)
+@given(prefill_s=st.floats(0.01, 30), decode_s=st.floats(0.01, 30), n_p=st.integers(1, 3), n_d=st.integers(1, 3),
+       trainer=st.floats(0.21, 1.0))
+def test_a_starved_trainer_grows_the_pool_with_the_longer_phase_and_never_the_other(prefill_s, decode_s, n_p, n_d,
+                                                                                  trainer):
+    assume(not math.isclose(prefill_s, decode_s, rel_tol=1e-6))
+    decisions = run_phases(prefill_s, decode_s, trainer=trainer, n=(n_p, n_d))
+    d = decisions[-1]
+    slower = PREFILL if prefill_s > decode_s else DECODE
+    other = DECODE if slower == PREFILL else PREFILL
+    assert d.changed and d.code == "trainer-waiting" and d.action == "grow", d.reason
+    assert d.replicas(slower) == (n_p if slower == PREFILL else n_d) + 1
+    assert d.replicas(other) == (n_d if slower == PREFILL else n_p)
+
+
+@settings(max_examples=200, deadline=None)
+@given(prefill_s=st.floats(0.01, 30), decode_s=st.floats(0.01, 30), gate=st.floats(0.51, 1.0),
+       trainer=st.floats(0, 0.19), waiting=st.floats(0, 100))
+def test_gated_generation_never_grows_inference_whatever_the_phase_times(prefill_s, decode_s, gate, trainer, waiting):
+    decisions = run_phases(prefill_s, decode_s, trainer=trainer, gate=gate, waiting=waiting, times=5)
+    for d in decisions:
+        assert d.prefill + d.decode <= d.prefill_before + d.decode_before and d.action in ("hold", "shrink"), d.reason
 
 
 @settings(max_examples=200, deadline=None)
@@ -412,3 +669,16 @@ def test_benchmark_short_traces_meet_their_targets():
     # reaction within 2 scrape intervals of the imbalance's onset (the simulation is deterministic)
     assert d.reactions_s[0] is not None and d.reactions_s[0] <= 2 * bench.default_policy().scrape_interval_s
     assert h.reactions_s[0] is None or h.reactions_s[0] > d.reactions_s[0]
+
+
+@pytest.mark.parametrize("trace, grown", [("live-decode", (1, 2)), ("live-prefill", (2, 1))])
+def test_benchmark_live_shaped_loops_grow_the_pool_where_requests_run_longer(trace, grown):
+    """The whole local run's shape (a batch held at once, no queue, the trainer waiting): the HPA on the queue
+    never scales (nor did decide before its phase-time rule); decide grows the pool whose requests run longer
+    two scrape intervals in (the first decision has no deltas) and then completes more."""
+    from benchmarks import autoscaler as bench
+    results = bench.compare(trace, seconds=300)
+    d, h = results["decide"], results["hpa"]
+    assert h.decisions == [] and h.queued_request_s == 0
+    assert d.decisions == [(2 * bench.live_policy().scrape_interval_s, *grown, "trainer-waiting")]
+    assert d.completed > h.completed

@@ -22,8 +22,8 @@ from rlrun_operator.render import render
 from rlrun_runtime.inference import READINESS_MIDDLEWARE, get_start_weights, get_vllm_args
 from rlrun_runtime.storage import RunStorage
 from rlrun_runtime.vllm_plugin import ReadinessMiddleware
-from rlrun_runtime.weights.update import (get_readiness, read_serving_version, serving_version_file,
-                                          write_serving_version)
+from rlrun_runtime.weights.update import (ServingRecord, get_readiness, is_listed, read_serving_record,
+                                          read_serving_version, serving_version_file, write_serving_version)
 from vllm_role import tiny_rlrun
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -89,6 +89,34 @@ def test_the_serving_version_record_round_trips_and_a_bad_one_reads_as_none(tmp_
         assert read_serving_version(storage) is None, text
 
 
+def test_an_engine_out_of_service_is_not_ready_whatever_it_serves():
+    ready, reason = get_readiness("3", 3, out_of_service=True)
+    assert ready is False and "out of service" in reason
+    assert get_readiness("3", 3, out_of_service=False)[0] is True
+
+
+@pytest.mark.parametrize("addresses,urls,listed", [
+    ([("10.0.0.5", 8000)], ["http://10.0.0.5:8000"], True),
+    ([("10.0.0.5", 8000)], ["http://10.0.0.5:8001", "http://10.0.0.6:8000"], False),  # another port, another pod
+    ([("127.0.0.1", 41234), ("10.0.0.5", 41234)], ["http://10.0.0.5:41234/"], True),
+    ([("10.0.0.5", 8000)], ["http://10.0.0.5"], False),       # no port: matches nothing
+    ([("10.0.0.5", 8000)], ["http://10.0.0.5:80x0"], False),  # malformed
+    ([], ["http://10.0.0.5:8000"], False),
+])
+def test_is_listed_matches_host_and_port(addresses, urls, listed):
+    assert is_listed(addresses, urls) is listed
+
+
+def test_the_record_carries_the_engines_out_of_service_and_an_older_record_has_none(tmp_path):
+    storage = RunStorage(tmp_path)
+    write_serving_version(storage, 4, ["http://10.0.0.7:8000", "http://10.0.0.5:8000", "http://10.0.0.7:8000"])
+    assert read_serving_record(storage) == ServingRecord(4, ("http://10.0.0.5:8000", "http://10.0.0.7:8000"))
+    serving_version_file(storage).write_text('{"version": 4, "time": 1}')  # an older orchestrator's
+    assert read_serving_record(storage) == ServingRecord(4, ())
+    serving_version_file(storage).write_text('{"version": 4, "out_of_service": "x"}')
+    assert read_serving_record(storage) == ServingRecord(4, ())
+
+
 # --- the middleware, on a stand-in of vLLM's app (state.engine_client) -----------------------------------
 class StandInEngineClient:
     """``busy``: get_weight_version waits as vLLM's does behind a reload in the engine core (check_health
@@ -131,6 +159,25 @@ def test_the_middleware_answers_the_ready_path_from_the_engine_and_the_record(tm
     client.dead = True
     response = http.get(c.INFERENCE_READY_PATH)
     assert response.status_code == 503 and "EngineCore died" in response.json()["reason"]
+
+
+def test_the_middleware_turns_the_router_away_from_an_engine_left_out_of_service(tmp_path, monkeypatch):
+    """Listed by the address the probe came in on, or by POD_IP (the address the orchestrator resolves the
+    headless Service to) on that port."""
+    monkeypatch.setenv(c.ENV_STORAGE_DIR, str(tmp_path))
+    storage = RunStorage(tmp_path)
+    http = app_with(StandInEngineClient("2"))  # the test client's requests arrive at testserver:80
+    write_serving_version(storage, 2, ["http://10.0.0.9:8000"])
+    assert http.get(c.INFERENCE_READY_PATH).status_code == 200  # another engine is out of service
+    write_serving_version(storage, 2, ["http://testserver:80"])
+    response = http.get(c.INFERENCE_READY_PATH)
+    assert response.status_code == 503 and "out of service" in response.json()["reason"]
+    write_serving_version(storage, 2, ["http://10.0.0.9:80"])
+    assert http.get(c.INFERENCE_READY_PATH).status_code == 200
+    monkeypatch.setenv(c.ENV_POD_IP, "10.0.0.9")
+    assert http.get(c.INFERENCE_READY_PATH).status_code == 503
+    write_serving_version(storage, 2)
+    assert http.get(c.INFERENCE_READY_PATH).status_code == 200
 
 
 def test_a_reloading_engine_stays_ready_at_the_version_it_last_answered(tmp_path, monkeypatch):

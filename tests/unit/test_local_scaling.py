@@ -196,6 +196,36 @@ def test_decide_on_local_observations_grows_the_queued_pool_and_plans_its_server
     assert (held.action, held.code) == ("hold", "scale-in-progress")
 
 
+def _phase(seconds: float, finished: float) -> str:
+    """vLLM's RUNNING-phase histogram as it exposes it (one engine): what rule 3's phase times read."""
+    h = c.VLLM_METRIC_REQUEST_INFERENCE_SECONDS
+    return (f"# TYPE {h} histogram\n{h}_bucket{{engine=\"0\",le=\"+Inf\"}} {finished}\n"
+            f"{h}_count{{engine=\"0\"}} {finished}\n{h}_sum{{engine=\"0\"}} {seconds}\n")
+
+
+def test_a_starved_local_loop_without_queues_grows_the_pool_where_requests_run_longer():
+    """The local path end to end (texts -> get_observations -> decide -> plan): both servers run a whole
+    batch (no queue), the orchestrator's trainer waits 80 % of every interval, decode's requests run 4 s
+    against prefill's 0.25 s: the third decision (the first has no deltas, the second confirms) grows decode."""
+    policy = get_local_policy(view(), 3)
+    servers = [_server("p0", P, 0), _server("d0", D, 0)]
+    interval = policy.scrape_interval_s
+    state, now, decisions = autoscale.State(), 1_000_000.0, []
+    for k in range(3):
+        texts = {"p0": _metrics(0.0, running=64.0) + _phase(k * 64 * 0.25, k * 64),
+                 "d0": _metrics(0.0, running=64.0) + _phase(k * 64 * 4.0, k * 64)}
+        orchestrator = (f"# TYPE {c.METRIC_DATA_WAIT_SECONDS} counter\n"
+                        f"{c.METRIC_DATA_WAIT_SECONDS}_total {k * 0.8 * interval}\n")
+        decision = autoscale.decide(get_observations(servers, texts, orchestrator), state, policy,
+                                    now + k * interval)
+        decisions.append(decision)
+        state = decision.state
+    assert [d.code for d in decisions] == ["balanced", "confirming", "trainer-waiting"], [d.reason for d in decisions]
+    assert (decisions[-1].prefill, decisions[-1].decode) == (1, 2)
+    assert "0.25 s in prefill, 4.00 s in decode" in decisions[-1].reason
+    assert plan_local_scale({P: 1, D: 2}, servers, {P: 2, D: 2}, policy.max_replicas) == ScaleActions(((D, 1),))
+
+
 def test_describe_pools():
     servers = [_server("p0", P, 0), _server("d0", D, 0), _server("d1", D, 1, JOINING), _server("d2", D, 2, DRAINING)]
     assert describe_pools(servers) == "prefill 1 serving; decode 1 serving, 1 joining, 1 draining"

@@ -19,6 +19,7 @@ more (restarted, finished) the engine loads it from there.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -46,6 +47,7 @@ CONNECT_TIMEOUT_S = 5.0  # opening the orchestrator's connection to the trainer'
 HELD_VERSIONS = 2        # versions the trainer keeps for pushes: a push of N may start after N+1 is published
 CLOSE_GRACE_S = 30.0     # how long an exiting trainer waits for its last version to be pushed once
 KEY_POLL_S = 0.002       # how often a waiting party looks for its key in the store (a local round trip)
+SENT_POLL_S = 0.05       # how often the orchestrator looks for the trainer's "sent" while the engine receives
 
 
 def _store_client(host: str, port: int, timeout_s: float) -> Any:
@@ -297,6 +299,41 @@ class PushTransport(FilesystemTransport):
             return await self._fallback(admin, version, f"trainer push service: {why}")
         await self._push(admin, store, rid, request, host, port)
 
+    async def _receive(self, admin: "VLLMAdmin", store: Any, rid: int, request: proto.PushRequest,
+                       info: dict[str, Any], limit: float) -> dict[str, Any] | None:
+        """``POST /update_weights`` (the engine receives every bucket), watching the trainer's "sent" answer
+        meanwhile; returns that answer if it came (None if not yet).
+
+        The whole model crosses during the call, so the call alone is bounded like a filesystem reload
+        (RELOAD_TIMEOUT_S). Once the trainer has answered (every bucket out, or its send failed) the engine
+        gets ``limit`` seconds more (``timeout_s`` + 30: its own receive is bounded by ``timeout_s``), so a
+        stopped or hung engine (SIGSTOP, a frozen node: its socket buffers take the buckets and it never
+        answers) fails the update within ``limit`` of the trainer's answer instead of after RELOAD_TIMEOUT_S.
+
+        Raises:
+            EngineError: the engine answered an error, or did not answer within ``limit`` after the trainer.
+        """
+        key = proto.key_status(rid, "sent")
+        receive = asyncio.ensure_future(admin.update_weights(info, timeout_s=max(limit, RELOAD_TIMEOUT_S)))
+        sent: dict[str, Any] | None = None
+        answered_at = 0.0
+        try:
+            while not receive.done():
+                if sent is None and await asyncio.to_thread(store.check, [key]):
+                    sent, answered_at = json.loads(await asyncio.to_thread(store.get, key)), time.monotonic()
+                if sent is not None and time.monotonic() - answered_at > limit:
+                    trainer = "sent every bucket" if sent["ok"] else "failed to send"  # its error: the caller adds it
+                    raise EngineError(admin.base_url, f"the trainer {trainer} {limit:.0f} s ago and the engine "
+                                      "has not answered (stopped or hung?)")
+                await asyncio.wait({receive}, timeout=SENT_POLL_S)
+            receive.result()
+        finally:
+            if not receive.done():
+                receive.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await receive
+        return sent
+
     async def _push(self, admin: "VLLMAdmin", store: Any, rid: int, request: proto.PushRequest,
                     host: str, port: int) -> None:
         url, limit = admin.base_url, request.timeout_s + 30.0
@@ -311,14 +348,13 @@ class PushTransport(FilesystemTransport):
         info = proto.update_info(checked["names"], checked["dtype_names"], checked["shapes"])
         await admin.start_weight_update()
         try:
-            # The whole model crosses during this call: bounded like a filesystem reload, while each
-            # collective inside is bounded by timeout_s on both sides (a dead peer fails it at once).
-            await admin.update_weights(info, timeout_s=max(limit, RELOAD_TIMEOUT_S))
+            sent = await self._receive(admin, store, rid, request, info, limit)
         except EngineError as err:
             sent = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "sent"), 5.0)
             detail = f"; trainer: {sent['error']}" if sent and sent.get("error") else ""
             raise EngineError(url, f"receiving version {request.version} failed: {err}{detail}") from err
-        sent = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "sent"), limit)
+        if sent is None:
+            sent = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "sent"), limit)
         if sent is None or not sent["ok"]:
             raise EngineError(url, "the trainer did not confirm the push: "
                                    + ("no answer" if sent is None else sent["error"]))

@@ -40,6 +40,7 @@ import dataclasses
 import json
 import logging
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -232,23 +233,60 @@ def serving_version_file(storage: RunStorage) -> Path:
     return storage.root / constants.SERVING_VERSION_FILE
 
 
-def write_serving_version(storage: RunStorage, version: int) -> None:
-    """Record ``version`` as the one every engine serves: ``{"version": N, "time": unix seconds}``, written
-    atomically by the orchestrator after each round that brought every reachable engine to it."""
-    atomic_write_json(serving_version_file(storage), {"version": int(version), "time": time.time()})
+def write_serving_version(storage: RunStorage, version: int, out_of_service: Iterable[str] = ()) -> None:
+    """Record ``version`` as the one every engine serves, and the engines a failed update left paused:
+    ``{"version": N, "out_of_service": [base URL, ...], "time": unix seconds}``, written atomically by the
+    orchestrator after each round that changed either."""
+    atomic_write_json(serving_version_file(storage), {"version": int(version),
+                                                      "out_of_service": sorted(set(out_of_service)),
+                                                      "time": time.time()})
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingRecord:
+    """What :func:`write_serving_version` recorded: the version and the base URLs left out of service."""
+
+    version: int
+    out_of_service: tuple[str, ...] = ()
+
+
+def read_serving_record(storage: RunStorage) -> ServingRecord | None:
+    """The record :func:`write_serving_version` last wrote; None when there is none yet (before the
+    orchestrator's first round) or it cannot be read or parsed (a reader never fails on it). A record of an
+    older orchestrator, without ``out_of_service``, has none."""
+    try:
+        data = json.loads(serving_version_file(storage).read_text(encoding="utf-8"))
+        version, left = data["version"], data.get("out_of_service", [])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not isinstance(version, int) or version < 0:
+        return None
+    return ServingRecord(version, tuple(str(u) for u in left) if isinstance(left, list) else ())
 
 
 def read_serving_version(storage: RunStorage) -> int | None:
-    """The version :func:`write_serving_version` last recorded; None when there is no record yet (before the
-    orchestrator's first round) or it cannot be read or parsed (a reader never fails on it)."""
-    try:
-        version = json.loads(serving_version_file(storage).read_text(encoding="utf-8"))["version"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return version if isinstance(version, int) and version >= 0 else None
+    """The version of :func:`read_serving_record` (None: no record)."""
+    record = read_serving_record(storage)
+    return None if record is None else record.version
 
 
-def get_readiness(weight_version: str, current: int | None) -> tuple[bool, str]:
+def is_listed(addresses: Iterable[tuple[str, int]], urls: Iterable[str]) -> bool:
+    """True when one of ``urls`` (base URLs as the orchestrator names engines: ``http://10.0.0.5:8000``)
+    points at one of ``addresses`` ((host, port) a server is reached at: its pod IP or bind address and its
+    port) (pure; a URL without a port or with a malformed one matches nothing)."""
+    own = {(host, int(port)) for host, port in addresses}
+    for url in urls:
+        parts = urllib.parse.urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            continue
+        if parts.hostname is not None and port is not None and (parts.hostname, port) in own:
+            return True
+    return False
+
+
+def get_readiness(weight_version: str, current: int | None, out_of_service: bool = False) -> tuple[bool, str]:
     """Whether a prefill or decode server that reports ``weight_version`` (``GET /weight_info``) may get
     traffic, and why (pure).
 
@@ -257,11 +295,17 @@ def get_readiness(weight_version: str, current: int | None) -> tuple[bool, str]:
             initial model every prefill and decode server starts from (``inference.get_start_weights``).
         current: :func:`read_serving_version` (None: no record yet, i.e. the run's first round has not
             happened: every server serves the initial model, ready).
+        out_of_service: the record lists this server (:func:`is_listed`): a failed update left it paused, so
+            it would hold every request it got until the orchestrator's next round resumes it.
 
     Returns:
-        (ready, reason): ready when ``current`` is None or the server's version is at least ``current`` (a
-        server already moved to the next version during an update round stays ready).
+        (ready, reason): ready when it is not out of service and ``current`` is None or the server's version
+        is at least ``current`` (a server already moved to the next version during an update round stays
+        ready).
     """
+    if out_of_service:
+        return False, ("left paused by a failed weight update: out of service until the orchestrator's next "
+                       "round resumes it")
     served = parse_version(weight_version)
     if served is None:
         if weight_version.strip() != "default":
