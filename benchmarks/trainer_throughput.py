@@ -9,11 +9,11 @@ compute. Baselines, on the same token count as rows of ``--doc-len`` tokens: a p
 Printed per case: tokens/s (real tokens), MFU = tokens/s x (6 N + 6 L H D S) / peak (prime-rl's formula; N
 parameters, L layers, H heads, D head dim, S the DOCUMENT length, peak 989 TFLOP/s dense bf16), step time,
 peak GPU memory, and the ratios to the compiled and the eager baseline. ``--json PATH`` writes every figure.
-rlrun cases are ``[lora-|fp8-]<layout>[c][a][n|l][#k]``: layout packed16, var16, packed64 or single64; prefix
+rlrun cases are ``[lora-|fp8-]<layout>[c][a][n|r][#k]``: layout packed16, var16, packed64 or single64; prefix
 ``lora-`` LoRA rank 16 (alpha 32) on q/k/v/o_proj, ``fp8-`` torchao float8 matmuls; suffix ``c`` compiled
 decoder layers (and head), ``a`` activation checkpointing of every layer, ``n`` no FSDP2 wrapper (world size
-1, autocast to bf16 over the float32 parameters), ``l`` an FSDP2 unit per decoder layer as with several ranks
-(world size 1 is otherwise one unit, the root); ``#k`` a repeat of the same case (timing spread).
+1, autocast to bf16 over the float32 parameters), ``r`` one FSDP2 unit, the root, instead of one per decoder
+layer; ``#k`` a repeat of the same case (timing spread).
 
     python benchmarks/trainer_throughput.py                      # the H200 cases
     python benchmarks/trainer_throughput.py --shape tiny --device cpu --cases packed16,var16 --steps 2
@@ -147,7 +147,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def parse_case(case: str) -> dict[str, Any]:
-    """``[lora-|fp8-]<layout>[c][a][n|l][#k]`` -> layout, compile, checkpoint, wrap_fsdp, lora_rank, quantization.
+    """``[lora-|fp8-]<layout>[c][a][n|r][#k]`` -> layout, compile, checkpoint, wrap_fsdp, lora_rank, quantization.
 
     Raises:
         ValueError: unknown prefix.
@@ -156,11 +156,13 @@ def parse_case(case: str) -> dict[str, Any]:
     prefix, _, name = name.rpartition("-")
     if prefix not in ("", "lora", "fp8"):
         raise ValueError(f"unknown case prefix {prefix!r}: use lora- or fp8-")
-    layout = name.rstrip("canl")
+    layout = name.rstrip("canr")
     flags = name[len(layout):]
-    from rlrun_runtime.trainer import PER_LAYER
+    from rlrun_runtime.trainer import ROOT_ONLY
 
-    wrap: bool | str = False if "n" in flags else PER_LAYER if "l" in flags else True
+    if "n" in flags and "r" in flags:
+        raise ValueError(f"case {case!r}: n (no FSDP2) and r (root-only FSDP2) exclude each other")
+    wrap: bool | str = False if "n" in flags else ROOT_ONLY if "r" in flags else True
     return {"layout": layout, "compile": "c" in flags, "checkpoint": "a" in flags, "wrap_fsdp": wrap,
             "lora_rank": 16 if prefix == "lora" else 0, "quantization": "fp8" if prefix == "fp8" else "none"}
 

@@ -40,7 +40,9 @@ The rules, in the order ``decide`` applies them (the first that fires gives the 
    ``vllm:request_inference_time_seconds``: prefill on a prefill server, the last prompt token and the
    decode on a decode server; the queue phase is left out, on decode it spans the KV transfer). A pool
    whose pods finished fewer than ``MIN_PHASE_REQUESTS`` requests in the interval gives no signal, and
-   without both pools' signals there is none. (A pause adds its length to every request it catches, and
+   without both pools' signals there is none; the longer time must be ``PHASE_RATIO_MIN`` times the shorter.
+   A pool grown this way is not shrunk while the trainer stays starved (rule 5), even where the new replica
+   did not shorten the steps (on shared CPU cores it slowed them: benchmarks/README.md). (A pause adds its length to every request it catches, and
    a request is caught in proportion to how long it runs, so both pools' times grow by about the same
    factor and their order holds.)
    Pressure must be seen in ``CONFIRM_SCRAPES`` consecutive decisions (2: one noisy scrape never scales).
@@ -89,6 +91,9 @@ AFTER_RESUME_MIN_S = 2.0
 # of 10 requests whose times spread like lognormal lengths of sigma 0.35-0.5 (benchmarks/autoscaler.py's
 # traces) is within ~11-16 % (sigma / sqrt(n)) of the pool's mean; not a spec field.
 MIN_PHASE_REQUESTS = 10
+# How much longer one pool's phase time must be than the other's to pressure it (rule 3): twice the ~16 %
+# spread of a 10-request mean above, so two pools running alike never pressure either; not a spec field.
+PHASE_RATIO_MIN = 1.3
 
 
 # --- Observations --------------------------------------------------------------------------------
@@ -479,7 +484,7 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
     # Starved without a queue: inference is the bottleneck, the pool where requests run longer gets it.
     phase_hot = None
     if starved and not pressure and phase[PREFILL] is not None and phase[DECODE] is not None \
-            and phase[PREFILL] != phase[DECODE]:
+            and max(phase.values()) >= PHASE_RATIO_MIN * max(min(phase.values()), 1e-9):
         phase_hot = PREFILL if phase[PREFILL] > phase[DECODE] else DECODE
         pressure[phase_hot] = max(phase[PREFILL], phase[DECODE]) / max(min(phase[PREFILL], phase[DECODE]), 1e-9)
     phases = ("" if phase_hot is None else

@@ -336,6 +336,10 @@ class Orchestrator:
         target = max(self.newest_published(), self.loaded_version)
         self.metrics.step.set(self.newest_published())
         engines, infos = await self._engine_versions(resolve_engines(self.endpoints))
+        for url in sorted(self.out_of_service - set(engines)):  # its pod is gone (or restarts at the initial model)
+            log.warning("engine %s, left out of service, is no longer among the engines: forgotten", url)
+        self.out_of_service &= set(engines)
+        self.metrics.engines_out_of_service.set(len(self.out_of_service))
         # An engine left paused by a failed update is always updated again (that is what resumes it).
         behind = [url for url, version in zip(engines, infos) if version != target or url in self.out_of_service]
         identity = self.transport.identity(target)

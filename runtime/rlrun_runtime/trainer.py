@@ -393,7 +393,7 @@ def get_attn_implementation(cfg: TrainerView, device: torch.device) -> str:
     return FLEX_ATTENTION if cfg.micro_batch_tokens and device.type == "cuda" else "sdpa"
 
 
-PER_LAYER = "per-layer"  # shard_model's wrap_fsdp value for one FSDP unit per decoder layer at any world size
+ROOT_ONLY = "root-only"  # shard_model's wrap_fsdp value for one FSDP unit, the root (world size 1; benchmark)
 
 
 def build_model(model_path: str, cfg: TrainerView, device: torch.device, revision: str | None,
@@ -401,8 +401,7 @@ def build_model(model_path: str, cfg: TrainerView, device: torch.device, revisio
                 wrap_fsdp: bool | str = True) -> Any:
     """Load the HF causal LM in float32 (master weights) and shard it with FSDP2.
 
-    With more than one rank each decoder layer is its own FSDP unit, then the root; a world of one is one
-    unit (the root). With a bf16/fp16 ``spec.model.dtype`` the
+    Each decoder layer is its own FSDP unit, then the root. With a bf16/fp16 ``spec.model.dtype`` the
     forward and backward run in that dtype (``MixedPrecisionPolicy`` over float32 shards, gradients reduced
     in float32), so the trainer's logprobs come from the same precision vLLM serves with while the float32
     master weights still hold updates far below bf16's resolution. The LM head is replaced by a
@@ -456,7 +455,7 @@ def shard_model(model: Any, cfg: TrainerView, device: torch.device, compile_laye
     ``compile_layers`` / ``checkpoint_layers`` when not None), FSDP2 (parameters stay gathered between forward
     and backward at world size 1, where resharding would only copy them again).
 
-    ``wrap_fsdp=PER_LAYER`` makes a unit per decoder layer at world size 1 too (the benchmark's comparison).
+    ``wrap_fsdp=ROOT_ONLY`` (world size 1 only) makes the root the one FSDP unit (the benchmark's comparison).
     ``wrap_fsdp=False`` (world size 1 only) leaves the model unwrapped: float32 parameters with the forward
     under ``torch.autocast`` in the compute dtype (the Trainer enters it); the benchmark compares the two.
 
@@ -494,13 +493,14 @@ def shard_model(model: Any, cfg: TrainerView, device: torch.device, compile_laye
         budget = (cfg.micro_batch_tokens or 0) // GPU_ROW_MULTIPLE + 8
         _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, budget)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if not wrap_fsdp and world > 1:
-        raise ValueError(f"wrap_fsdp=False needs a world of one, not {world} ranks")
+    if wrap_fsdp not in (True, False, ROOT_ONLY):
+        raise ValueError(f"wrap_fsdp={wrap_fsdp!r}: use True, False or {ROOT_ONLY!r}")
+    if (not wrap_fsdp or wrap_fsdp == ROOT_ONLY) and world > 1:
+        raise ValueError(f"wrap_fsdp={wrap_fsdp!r} needs a world of one, not {world} ranks")
     reshard = world > 1 if dist.is_initialized() else True
-    # A world of one holds every parameter whole anyway: one FSDP unit (the root) gathers them in one copy
-    # instead of one per layer with its own hooks (the per-layer units cost ~7% of a step at the 0.6B shape on
-    # an H200, benchmarks/README.md). More ranks: a unit per decoder layer, so only one layer is gathered at once.
-    per_layer = world > 1 or wrap_fsdp == PER_LAYER
+    # A unit per decoder layer at every world size: one unit (the root) at world size 1 was measured no faster
+    # (H200, 0.6B shape, 5 processes each: median 84.4k against 86.8k tokens/s; benchmarks/README.md).
+    per_layer = wrap_fsdp != ROOT_ONLY
     for i, layer in enumerate(layers):
         if compile_layers:
             layer.forward = torch.compile(layer.forward, dynamic=False)

@@ -173,6 +173,7 @@ def test_a_server_stopped_during_the_push_is_named_and_the_wait_is_bounded(setup
             elapsed = time.monotonic() - start
             print(f"\nstopped server: update failed after {elapsed:.1f} s: {failure.value}")
             assert url in str(failure.value) and url in failure.value.out_of_service
+            assert "has not answered (stopped or hung?)" in str(failure.value)  # the bound of the receive, not another step
             record = next(iter(transport.service.records.values()))
             assert record.finished.wait(STOP_TIMEOUT_S + 30)
             assert record.seconds < STOP_TIMEOUT_S + 5.0  # the trainer's own wait, bounded by the push timeout

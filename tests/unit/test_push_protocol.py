@@ -3,8 +3,11 @@ bucket round trip between two real gloo ranks, the spec checks and the vLLM argu
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import json
 import threading
+import time
 
 import pytest
 import torch
@@ -139,3 +142,74 @@ def test_vllm_gets_the_weight_transfer_engine_only_with_a_push_transport():
     gloo = get_vllm_args(spec_with("gloo"), "both", "m", 8000)
     assert gloo[gloo.index("--weight-transfer-config") + 1] == '{"backend":"gloo"}'
     assert "--weight-transfer-config" not in get_vllm_args(spec_with("filesystem"), "both", "m", 8000)
+
+
+# --- the orchestrator's wait while an engine receives (PushTransport._receive) ----------------------------
+class _Admin:
+    """An engine whose ``update_weights`` ends when ``done`` is set (never, if it is not)."""
+
+    base_url = "http://10.0.0.5:8000"
+
+    def __init__(self) -> None:
+        self.done = asyncio.Event()
+
+    async def update_weights(self, info, timeout_s):
+        await self.done.wait()
+
+
+class _Store:
+    """The trainer's store: ``sent`` is its answer (None: none yet); ``lost``: every call fails as
+    torch's DistNetworkError does once the trainer died."""
+
+    def __init__(self, sent=None, lost=False):
+        self.sent, self.lost, self.checks = sent, lost, 0
+
+    def check(self, keys):
+        self.checks += 1
+        if self.lost:
+            raise RuntimeError("Failed to recv, got 0 bytes: remote server shutdown or crash")
+        return self.sent is not None
+
+    def get(self, key):
+        return json.dumps(self.sent).encode()
+
+
+def _receive(admin, store, limit):
+    from rlrun_runtime.weights.push import PushTransport
+
+    request = proto.PushRequest(group="g", version=3, engine=admin.base_url, world_size=2, timeout_s=1.0,
+                                bucket_bytes=1024)
+    transport = PushTransport.__new__(PushTransport)
+    return transport._receive(admin, store, 1, request, {}, limit)
+
+
+def test_a_stopped_engine_fails_the_receive_within_the_limit_after_the_trainers_answer():
+    from rlrun_runtime.vllm_admin import EngineError
+
+    async def scenario():
+        started = time.monotonic()
+        with pytest.raises(EngineError, match="has not answered") as failure:
+            await _receive(_Admin(), _Store(sent={"ok": True}), limit=0.3)
+        return time.monotonic() - started, failure.value
+
+    elapsed, error = asyncio.run(scenario())
+    assert 0.3 <= elapsed < 10 and "http://10.0.0.5:8000" in str(error) and "sent every bucket" in str(error)
+
+
+def test_a_lost_trainer_store_leaves_the_engines_receive_to_end_the_wait():
+    """The store's errors are not the engine's: the engine's own receive (bounded by its timeout) decides."""
+    admin, store = _Admin(), _Store(lost=True)
+
+    async def scenario():
+        task = asyncio.ensure_future(_receive(admin, store, limit=0.3))
+        deadline = time.monotonic() + 10
+        while store.checks == 0:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # past the limit: no answer was read, so the limit does not apply
+        assert not task.done()
+        admin.done.set()
+        return await asyncio.wait_for(task, 10)
+
+    assert asyncio.run(scenario()) is None
+    assert store.checks == 1  # it stopped asking after the first failure

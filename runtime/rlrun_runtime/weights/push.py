@@ -291,9 +291,12 @@ class PushTransport(FilesystemTransport):
         self._workers[admin.base_url] = workers  # fixed by the spec (TP x DP) for the server's life
         request = proto.PushRequest(group=uuid.uuid4().hex, version=version, engine=admin.base_url,
                                     world_size=1 + workers, timeout_s=self.timeout_s, bucket_bytes=self.bucket_bytes)
-        rid = await asyncio.to_thread(store.add, proto.KEY_REQUEST_COUNT, 1)
-        await asyncio.to_thread(store.set, proto.key_request(rid), request.to_json())
-        accepted = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "accepted"), ACCEPT_TIMEOUT_S)
+        try:
+            rid = await asyncio.to_thread(store.add, proto.KEY_REQUEST_COUNT, 1)
+            await asyncio.to_thread(store.set, proto.key_request(rid), request.to_json())
+            accepted = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "accepted"), ACCEPT_TIMEOUT_S)
+        except (RuntimeError, OSError, ValueError) as err:  # the trainer went away: nothing started on the engine
+            return await self._fallback(admin, version, f"trainer push service {host}:{port} stopped answering ({err})")
         if accepted is None or not accepted["ok"]:
             why = "no answer" if accepted is None else accepted["error"]
             return await self._fallback(admin, version, f"trainer push service: {why}")
@@ -317,10 +320,18 @@ class PushTransport(FilesystemTransport):
         receive = asyncio.ensure_future(admin.update_weights(info, timeout_s=max(limit, RELOAD_TIMEOUT_S)))
         sent: dict[str, Any] | None = None
         answered_at = 0.0
+        watching = True  # False once the trainer's store is gone: the engine's own receive then ends it
         try:
             while not receive.done():
-                if sent is None and await asyncio.to_thread(store.check, [key]):
-                    sent, answered_at = json.loads(await asyncio.to_thread(store.get, key)), time.monotonic()
+                if watching and sent is None:
+                    try:
+                        if await asyncio.to_thread(store.check, [key]):
+                            sent = json.loads(await asyncio.to_thread(store.get, key))
+                            answered_at = time.monotonic()
+                    except (RuntimeError, OSError, ValueError) as err:  # DistNetworkError: the trainer died
+                        log.warning("weight push to %s: the trainer's store stopped answering (%s); waiting for "
+                                    "the engine's own receive to end", admin.base_url, err)
+                        watching = False
                 if sent is not None and time.monotonic() - answered_at > limit:
                     trainer = "sent every bucket" if sent["ok"] else "failed to send"  # its error: the caller adds it
                     raise EngineError(admin.base_url, f"the trainer {trainer} {limit:.0f} s ago and the engine "
@@ -341,7 +352,11 @@ class PushTransport(FilesystemTransport):
                      "world_size": request.world_size, "group": request.group, "timeout_s": request.timeout_s,
                      "packed": True, "packed_buffer_size_bytes": request.bucket_bytes}
         await admin.init_weight_transfer_engine(init_info, timeout_s=limit)
-        checked = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "checked"), limit)
+        try:
+            checked = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "checked"), limit)
+        except (RuntimeError, OSError, ValueError) as err:
+            raise EngineError(url, f"weight push of version {request.version}: the trainer's push service stopped "
+                                   f"answering before any tensor was sent ({err})") from err
         if checked is None or not checked["ok"]:
             raise EngineError(url, "weight push refused before any tensor was sent: "
                                    + ("the trainer did not answer" if checked is None else checked["error"]))
@@ -350,11 +365,18 @@ class PushTransport(FilesystemTransport):
         try:
             sent = await self._receive(admin, store, rid, request, info, limit)
         except EngineError as err:
-            sent = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "sent"), 5.0)
+            try:
+                sent = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "sent"), 5.0)
+            except (RuntimeError, OSError, ValueError):  # the trainer's store is gone too
+                sent = None
             detail = f"; trainer: {sent['error']}" if sent and sent.get("error") else ""
             raise EngineError(url, f"receiving version {request.version} failed: {err}{detail}") from err
         if sent is None:
-            sent = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "sent"), limit)
+            try:
+                sent = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "sent"), limit)
+            except (RuntimeError, OSError, ValueError) as err:
+                raise EngineError(url, f"version {request.version}: the trainer's push service stopped answering "
+                                       f"before it confirmed the push ({err})") from err
         if sent is None or not sent["ok"]:
             raise EngineError(url, "the trainer did not confirm the push: "
                                    + ("no answer" if sent is None else sent["error"]))
