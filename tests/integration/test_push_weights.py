@@ -145,8 +145,8 @@ STOP_TIMEOUT_S = 5.0  # the stopped server's push timeout (gloo collectives and 
 def test_a_server_stopped_during_the_push_is_named_and_the_wait_is_bounded(setup):
     """SIGSTOP of a server after the first bucket (a frozen node: its sockets stay open, nothing answers): the
     trainer's push ends within its timeout, the orchestrator's update fails within the timeout + 30 s of the
-    trainer's answer (not after the 900 s reload bound) naming the server and leaving it out of service, and
-    once the stopped server is killed no process of it survives. Its own server, storage and push service, so
+    trainer's answer (not after the 900 s reload bound) naming the server and leaving it out of service; woken
+    again, it takes the next version pushed; once it is killed no process of it survives. Its own server, storage and push service, so
     the module's server and its push endpoint stay as they were."""
     root = setup["root"] / "stopped"
     storage = root / "storage"
@@ -180,6 +180,16 @@ def test_a_server_stopped_during_the_push_is_named_and_the_wait_is_bounded(setup
             # the update: the trainer's answer within its timeout, then timeout + 30 s for the engine, then
             # resume and the out-of-service report (5 s each for the HTTP calls), with room for a loaded machine
             assert elapsed < 2 * STOP_TIMEOUT_S + 30.0 + 60.0, elapsed
+
+            # Woken (SIGCONT: the node came back), it is updated again like any engine left out of service, and
+            # serves the new version: the interrupted receive left nothing behind that blocks the next one.
+            transport.service.on_bucket = None
+            os.killpg(proc.pid, signal.SIGCONT)
+            transport.publish(perturbed_state(storage / "model", seed=4), 2, template)
+            updates = asyncio.run(update_engines([url], 2, transport, previous=None, timeout_s=30.0))
+            assert [u.reported_version for u in updates] == [2] and transport.fallbacks == 0
+            assert record.request.version == 1 and any(r.request.version == 2 and r.error is None
+                                                       for r in transport.service.records.values())
         finally:
             transport.close(timeout_s=0.0, grace_s=0.0)
             with contextlib.suppress(ProcessLookupError):
