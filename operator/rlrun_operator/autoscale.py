@@ -12,7 +12,8 @@ The rules, in the order ``decide`` applies them (the first that fires gives the 
 2. **hold** while a previous scale is unfinished (a pool's desired != ready replicas), while a weight
    update is in flight, while the burst queued during the last pause lands (below), or when a pool has no
    sample from a ready, warmed-up pod. Holds during a pause or its settling keep the pressure streaks as
-   they are (neither counted nor reset).
+   they are (neither counted nor reset), except that phase-time pressure (rule 3) counts during the
+   settling: the burst inflates the queues, not the means over finished requests.
    *Settle window* (``after-resume``): hold while ``now - last_resume < clamp(pause, AFTER_RESUME_MIN_S,
    scrapeIntervalSeconds)``, ``pause`` being how long the engines were paused (:func:`get_pause_seconds`:
    the mean pause->resume seconds per engine of the weight updates finished since the previous decision,
@@ -389,6 +390,15 @@ def get_phase_times(observations: Observations, previous: Iterable[tuple[str, st
     return out, tuple(remember)
 
 
+def _phase_hot(phase: Mapping[str, float | None], starved: bool) -> str | None:
+    """The pool rule 3's phase times pressure: the starved trainer's, with both pools' times known and the
+    longer at least PHASE_RATIO_MIN times the shorter; else None."""
+    p, d = phase[PREFILL], phase[DECODE]
+    if not starved or p is None or d is None or max(p, d) < PHASE_RATIO_MIN * max(min(p, d), 1e-9):
+        return None
+    return PREFILL if p > d else DECODE
+
+
 def decide(observations: Observations, state: State, policy: AutoscalingView, now: float) -> Decision:
     """One decision of the autoscaler (pure; the module docstring lists the rules). ``policy``: the run's
     autoscaling view (bounds, budget, cooldowns in seconds, thresholds); ``now``: unix seconds."""
@@ -461,12 +471,17 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
     keep = state.pressure_streak  # samples during a pause are ignored, neither counted nor resetting
     if loop is not None and loop.update_in_flight:
         return result("hold", "weight-update", "a weight update is in flight", streak=keep)
+    starved = trainer_wait is not None and trainer_wait > policy.trainer_wait_fraction
     window = get_settle_window(pause_s, policy)
     if loop is not None and loop.last_resume_time is not None and now - loop.last_resume_time < window:
         paused = "no pause length known" if pause_s is None else f"the last pause {pause_s:.1f} s"
+        # The queues hold the burst now, the phase times do not (means over the interval's finished requests,
+        # stretched alike by the pause): phase pressure still counts toward its confirmation, queues do not.
+        hot = _phase_hot(phase, starved) if all(pools[p].counted for p in POOLS) else None
+        settling = tuple(keep[i] + 1 if p == hot else keep[i] for i, p in enumerate(POOLS))
         return result("hold", "after-resume", f"{now - loop.last_resume_time:.1f} s after a resume, inside the "
-                      f"settle window of {window:.1f} s ({paused}; the requests queued during the pause land now)",
-                      streak=keep)
+                      f"settle window of {window:.1f} s ({paused}; the requests queued during the pause land now)"
+                      + (f"; {hot}'s longer phase time counted" if hot else ""), streak=settling)
     for name in POOLS:
         if not pools[name].counted:
             return result("hold", "no-samples", f"no ready, warmed-up {name} pod to read", streak=keep)
@@ -474,7 +489,6 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
     # 3. pressure, confirmed over consecutive decisions.
     # The trainer waiting for data is the direct sign that inference is the bottleneck: it wins over the
     # gate (in a loop bound by inference the gate closes too, because the trainer is behind for want of data).
-    starved = trainer_wait is not None and trainer_wait > policy.trainer_wait_fraction
     is_gated = gated is not None and gated > policy.gated_fraction and not starved
     pressure: dict[str, float] = {}
     for name in POOLS:
@@ -482,10 +496,8 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
         if not is_gated and (q > policy.scale_up_waiting or (starved and q > policy.scale_down_waiting)):
             pressure[name] = q / max(policy.scale_up_waiting, 1e-9)
     # Starved without a queue: inference is the bottleneck, the pool where requests run longer gets it.
-    phase_hot = None
-    if starved and not pressure and phase[PREFILL] is not None and phase[DECODE] is not None \
-            and max(phase.values()) >= PHASE_RATIO_MIN * max(min(phase.values()), 1e-9):
-        phase_hot = PREFILL if phase[PREFILL] > phase[DECODE] else DECODE
+    phase_hot = None if pressure else _phase_hot(phase, starved)
+    if phase_hot is not None:
         pressure[phase_hot] = max(phase[PREFILL], phase[DECODE]) / max(min(phase[PREFILL], phase[DECODE]), 1e-9)
     phases = ("" if phase_hot is None else
               f"the trainer waited for data {trainer_wait:.0%} of the interval and no pool queues; requests ran "

@@ -692,3 +692,36 @@ def test_benchmark_live_shaped_loops_grow_the_pool_where_requests_run_longer(tra
     assert h.decisions == [] and h.queued_request_s == 0
     assert d.decisions == [(2 * bench.live_policy().scrape_interval_s, *grown, "trainer-waiting")]
     assert d.completed > h.completed
+
+
+def test_phase_pressure_counts_during_the_settle_window_and_acts_at_the_next_free_decision():
+    """The live run 1 (benchmarks/README.md): every decision after the first confirming one fell inside a
+    settle window. Phase times are means over finished requests, which the burst does not inflate: they count
+    toward the confirmation during the window (queues do not), and the first free decision grows."""
+    interval = POLICY.scrape_interval_s
+    state, codes = State(), []
+    for k, resumed_ago in enumerate([None, 0.5, 0.5, None]):  # decisions 1 and 2 fall 0.5 s after a resume
+        loop = LoopSample(trainer_wait_s=k * 0.9 * interval, pause_s_sum=k * 1.0, pause_count=float(k),
+                          last_resume_time=None if resumed_ago is None else NOW + k * interval - resumed_ago)
+        burst = 0.0 if resumed_ago is None else 50.0  # the queue held during the pause, landing on prefill
+        obs = Observations(phase_pool(2, 0.1, 32.0, k, waiting=burst), phase_pool(2, 0.4, 32.0, k), loop)
+        d = decide(obs, state, POLICY, NOW + k * interval)
+        codes.append(d.code)
+        state = d.state
+    assert codes == ["balanced", "after-resume", "after-resume", "trainer-waiting"], codes
+    assert (d.prefill, d.decode, d.action) == (2, 3, "grow")  # decode, not the pool the burst landed on
+
+
+def test_queues_alone_never_count_during_the_settle_window():
+    """The burst that lands after a resume is no pressure: a queue seen only inside settle windows never
+    grows a pool (its streak is kept, not counted)."""
+    interval = POLICY.scrape_interval_s
+    state = State()
+    for k in range(6):
+        loop = LoopSample(trainer_wait_s=k * 0.9 * interval, pause_s_sum=k * 1.0, pause_count=float(k),
+                          last_resume_time=NOW + k * interval - 0.5)
+        obs = Observations(pool(2, 50), pool(2, 1), loop)
+        d = decide(obs, state, POLICY, NOW + k * interval)
+        assert not d.changed and d.code == "after-resume", d.reason
+        state = d.state
+    assert state.pressure_streak == (0, 0)
