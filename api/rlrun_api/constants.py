@@ -184,6 +184,7 @@ SERVING_VERSION_FILE = "orchestrator/serving-version.json"
 # The worker-extension method of rlrun_runtime.vllm_worker that the orchestrator calls through vLLM's
 # POST /collective_rpc to reload weights in place (the name is the contract between the two processes).
 VLLM_RELOAD_METHOD = "rlrun_reload_weights"
+VLLM_EXPECTED_WEIGHTS_METHOD = "rlrun_expected_weights"  # worker method: what the model loads (push transports)
 TINY_MODEL_NAME = "rlrun-tiny"  # spec.model.name that makes the runtime build the tiny local model
 
 

@@ -13,7 +13,7 @@ it runs, on the object after ``spec.apply_defaults``:
 3. semantic checks that a schema cannot express (P:D sizing, autoscaling bounds against the sized pools,
    trainer parallelism degrees, builtin environment names, metadata.name present, spec.pod.env not
    replacing the runtime's own variables nor a W&B key from spec.tracking, features this release does
-   not implement yet: LoRA, fp8/mxfp8, ep/cp > 1, partial FSDP, the nccl weight transport — checked last, only when nothing
+   not implement yet: LoRA on the head or embeddings, mxfp8, ep/cp > 1, partial FSDP — checked last, only when nothing
    else is wrong). They run only when step 1 found nothing, because they read
    many fields at once and need them well typed; an error whose path a CEL rule already reported is not
    repeated.
@@ -370,8 +370,8 @@ def check_parallelism(trainer: dict[str, Any]) -> list[FieldError]:
 def check_implemented(run_spec: dict[str, Any], world_size: int | None = None) -> list[FieldError]:
     """Spec features the CRD can describe but this release's runtime does not implement.
 
-    Silently ignoring LoRA, low-precision matmuls, expert/context parallelism, a partial FSDP degree or the
-    NCCL weight transport would run a different experiment than the spec describes, so they are refused
+    Silently ignoring LoRA on the head or embeddings, mxfp8, expert/context parallelism or a partial FSDP
+    degree would run a different experiment than the spec describes, so they are refused
     here (the operator reports InvalidSpec, `rlrun validate`/`rlrun local` exit 2) and again by the trainer
     (:func:`check_trainer_implemented` with its actual rank count).
 
@@ -385,7 +385,7 @@ def check_implemented(run_spec: dict[str, Any], world_size: int | None = None) -
         out.append(FieldError("spec.weightSync.transport", "gloo is the CPU push transport (its engine receives "
                                                            "into host memory); with inference GPUs use nccl or "
                                                            "filesystem"))
-    elif transport not in ("filesystem", "gloo"):
+    elif transport not in ("filesystem", "gloo", "nccl"):  # the CRD's enum, all implemented
         out.append(FieldError("spec.weightSync.transport", f"{transport} is not implemented yet; set filesystem "
                                                            "(safetensors on the shared storage, reloaded in place "
                                                            "by every server) or, on CPU, gloo (pushed from the "

@@ -148,6 +148,13 @@ class VLLMAdmin:
         response = await self._call("POST", "/collective_rpc", json={"method": "check_health"})
         return len(response.json().get("results") or [None])
 
+    async def expected_weights(self) -> list[dict[str, Any]]:
+        """What each worker's model loads, ``[{"dtype", "shapes": {name: shape} | null}]`` in worker order:
+        rlrun's worker method :data:`constants.VLLM_EXPECTED_WEIGHTS_METHOD` through ``POST /collective_rpc``
+        (needs ``--worker-extension-cls``, which the inference role passes)."""
+        response = await self._call("POST", "/collective_rpc", json={"method": constants.VLLM_EXPECTED_WEIGHTS_METHOD})
+        return list(response.json().get("results") or [])
+
     async def init_weight_transfer_engine(self, init_info: dict[str, Any], timeout_s: float) -> None:
         """``POST /init_weight_transfer_engine``: the workers join the trainer's group (blocks until they have;
         never retried: a second join would wait for a trainer that already left)."""

@@ -68,3 +68,14 @@ class RLRunWorkerExtension:
                     method.process_weights_after_loading(module)
                     refreshed.append(name)
         return {"refreshed_heads": refreshed}
+
+    def rlrun_expected_weights(self) -> dict[str, Any]:
+        """What this worker's model loads: ``{"dtype", "shapes": {name: [dims]} | None}`` (the checkpoint it
+        was started from, headers only; :func:`rlrun_runtime.weights.gloo_engine.expected_of`). The NCCL push
+        checks every tensor against it before the first send, since vLLM's NCCL engine posts no such list."""
+        import json
+
+        from rlrun_runtime.weights.gloo_engine import expected_of
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return json.loads(expected_of(model, self.vllm_config.model_config).to_json())  # type: ignore[attr-defined]

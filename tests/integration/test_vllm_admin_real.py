@@ -80,6 +80,33 @@ def test_weight_update_changes_greedy_output_and_version(engine):
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_the_workers_report_what_their_model_loads_for_the_push_check(engine):
+    """What the nccl push checks every tensor against before its first send (vLLM's NCCL engine posts none)."""
+    import json
+
+    from rlrun_runtime.weights import push_protocol as proto
+    from rlrun_runtime.weights.safetensors_check import read_checkpoint_shapes
+
+    url, storage, _ = engine
+
+    async def body():
+        async with VLLMAdmin(url) as admin:
+            return await admin.expected_weights()
+
+    reported = asyncio.run(body())
+    checkpoint = read_checkpoint_shapes(storage / "model")
+    assert len(reported) == 1 and reported[0]["dtype"] == "float32"  # one worker, the tiny model's dtype
+    expected = proto.Expected.from_json(json.dumps(reported[0]))
+    assert expected.shapes == checkpoint and len(checkpoint) > 10
+    names = sorted(checkpoint)
+    proto.check_against_engine(names, ["float32"] * len(names), [checkpoint[n] for n in names], expected, url)
+    with pytest.raises(ValueError, match=r"1 tensor\(s\) of the engine.s model are not sent"):
+        proto.check_against_engine(names[1:], ["float32"] * (len(names) - 1), [checkpoint[n] for n in names[1:]],
+                                   expected, url)
+
+
+@pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_requests_sent_during_a_pause_wait_and_finish_after_resume(engine):
     async def body():

@@ -183,7 +183,7 @@ def _reference_logprobs(model, sample, temperature):
 def test_packed_logprobs_and_gradients_equal_unpacked_and_the_hf_reference():
     """Trainer logprobs (LogprobHead, packed row, dense document mask through SDPA) equal each document alone
     through the unmodified HF model (float32 model, float64 reference: within 2e-5 nats), and the gradients of
-    the packed row equal those of padded rows (atol 2e-6)."""
+    the packed row equal those of padded rows (atol 2e-6 times the gradient's largest magnitude, at least 1)."""
     from rlrun_runtime.trainer import get_micro_batch_logprobs
 
     reference = make_model(seed=2)
@@ -210,7 +210,10 @@ def test_packed_logprobs_and_gradients_equal_unpacked_and_the_hf_reference():
         assert packed_lp[doc] == pytest.approx(expected, abs=2e-5)
         assert padded_lp[doc] == pytest.approx(expected, abs=2e-5)
     for name, grad in packed_grads.items():
-        torch.testing.assert_close(grad, padded_grads[name], atol=2e-6, rtol=1e-4, msg=name)
+        # float32 sums in another order: the absolute error grows with the gradient's scale (the embedding's
+        # reaches ~12, where one element differed by 6.7e-6 on an AMD EPYC); a missing mask differs by >1e-2
+        scale = max(1.0, float(padded_grads[name].abs().max()))
+        torch.testing.assert_close(grad, padded_grads[name], atol=2e-6 * scale, rtol=1e-4, msg=name)
     # the check can fail: without the document mask, later documents attend to earlier ones
     row = get_packed_micro_batch(samples)
     with torch.no_grad():

@@ -721,7 +721,7 @@ def test_config_hash_follows_exactly_the_fields_each_role_reads():
     assert all(re.fullmatch(r"[0-9a-f]{16}", h) for h in base.values())
 
     def changed(**patch: Any) -> set[str]:
-        after = hashes(render(apply_defaults(variant("complete", **patch))))  # nccl: valid, not implemented
+        after = hashes(render(apply_defaults(variant("complete", **patch))))
         return {name.removeprefix("qwen3-4b-math-") for name in base if after[name] != base[name]}
 
     # The orchestrator (a Job, replaced when its hash changes) does not read vLLM's or the router's settings.

@@ -160,6 +160,7 @@ def test_valid_variations_have_no_errors(tiny_example) -> None:
         {},
         {"spec.algorithm.loss.ratioHigh": 8},  # an int in a `number` field is a CEL double, as on the server
         {**GPU_RUN, "spec.trainer.nodes": 2, "spec.trainer.parallelism": {"fsdp": 8, "cp": 2, "ep": 4}},
+        # fp8 on GPUs passes (the trainer checks the GPU at start); nccl with GPUs on both sides
         {**GPU_RUN, "spec.trainer.quantization": "fp8", "spec.weightSync.transport": "nccl"},
         {**DISAGG, "spec.autoscaling.enabled": True, "spec.autoscaling.prefill": {"min": 2, "max": 2},
          "spec.autoscaling.maxReplicas": 6, "spec.autoscaling.dryRun": True},  # a budget equal to the split
@@ -181,7 +182,6 @@ def test_valid_variations_have_no_errors(tiny_example) -> None:
     ]
     not_implemented = {  # valid specs that ask for features this release refuses (check_implemented)
         2: ["spec.trainer.parallelism.ep", "spec.trainer.parallelism.cp", "spec.trainer.parallelism.fsdp"],
-        3: ["spec.weightSync.transport"],  # fp8 on GPUs passes (the trainer checks the GPU at start)
     }
     for i, changes in enumerate(variations):
         errors = validate(mutate(tiny_example, changes))

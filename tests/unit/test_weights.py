@@ -11,11 +11,11 @@ from rlrun_runtime.weights import TRANSPORTS, WeightTransport, get_transport
 from rlrun_runtime.weights.filesystem import FilesystemTransport
 
 
-def test_registry_knows_filesystem_and_gloo_and_names_what_exists():
-    assert sorted(TRANSPORTS) == ["filesystem", "gloo"]
-    with pytest.raises(ValueError, match=r"spec.weightSync.transport: 'nccl' is not available; use one of: "
-                                         r"filesystem, gloo"):
-        get_transport("nccl", RunStorage("/nonexistent"))
+def test_registry_knows_every_transport_and_names_what_exists():
+    assert sorted(TRANSPORTS) == ["filesystem", "gloo", "nccl"]
+    with pytest.raises(ValueError, match=r"spec.weightSync.transport: 'rdma' is not available; use one of: "
+                                         r"filesystem, gloo, nccl"):
+        get_transport("rdma", RunStorage("/nonexistent"))
 
 
 def test_filesystem_publish_identity_and_retire(tmp_path):
@@ -72,5 +72,5 @@ def test_the_inference_role_asks_the_transport_named_by_its_view(tmp_path, monke
     monkeypatch.setitem(TRANSPORTS, _PushStandIn.name, _PushStandIn)
     assert get_served_weights(storage, "filesystem") == (4, storage.weights(4))
     assert get_served_weights(storage, _PushStandIn.name) is None
-    with pytest.raises(RoleConfigError, match=r"spec.weightSync.transport: 'nccl' is not available"):
-        get_served_weights(storage, "nccl")
+    with pytest.raises(RoleConfigError, match=r"spec.weightSync.transport: 'rdma' is not available"):
+        get_served_weights(storage, "rdma")

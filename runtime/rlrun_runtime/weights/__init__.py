@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from rlrun_runtime.storage import RunStorage
 from rlrun_runtime.weights.filesystem import FilesystemTransport
+from rlrun_runtime.weights.nccl_push import NcclPushTransport
 from rlrun_runtime.weights.push import PushTransport
 from rlrun_runtime.weights.transport import WeightTransport
 
 # spec.weightSync.transport -> implementation (docs/weight-transport.md for the push transport).
 TRANSPORTS: dict[str, type[WeightTransport]] = {FilesystemTransport.name: FilesystemTransport,
-                                                PushTransport.name: PushTransport}
+                                                PushTransport.name: PushTransport,
+                                                NcclPushTransport.name: NcclPushTransport}
 DEFAULT_TRANSPORT = FilesystemTransport.name  # the CRD's default of spec.weightSync.transport
 
 

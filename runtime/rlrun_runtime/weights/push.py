@@ -151,6 +151,25 @@ class PushService:
     def _client(self) -> Any:
         return _store_client("127.0.0.1", self.port, proto.DEFAULT_TIMEOUT_S)
 
+    # --- what differs per backend (gloo here; NCCL in nccl_push.NcclPushService) ----------------------------
+    def _accept(self, request: proto.PushRequest) -> dict[str, Any]:
+        """Fields of the ``accepted`` answer that the orchestrator needs before the engine joins (none for
+        gloo: the group's rendezvous is this store)."""
+        return {}
+
+    def _open_group(self, store: Any, request: proto.PushRequest, fields: dict[str, Any]) -> Any:
+        """Join ``request``'s group as rank 0; blocks until every engine rank joined; raises after
+        ``request.timeout_s``."""
+        return proto.make_gloo_group(store, request.group, 0, request.world_size, request.timeout_s,
+                                     proto.local_address_towards(self.host, self.port))
+
+    def _send(self, group: Any, held: _Held, request: proto.PushRequest, on_bucket: Callable[[int, int], None] | None) -> int:
+        """Broadcast ``held``'s tensors in buckets of ``request.bucket_bytes``; returns the bucket count."""
+        return proto.broadcast_buckets(group, held.tensors, request.bucket_bytes, on_bucket)
+
+    def _close_group(self, group: Any) -> None:
+        """Release the trainer's side of ``group`` after the send (gloo: nothing; the object is dropped)."""
+
     def _serve(self) -> None:
         store = self._client()
         rid = 1
@@ -177,33 +196,39 @@ class PushService:
         if held is None:
             answer("accepted", f"the trainer holds versions {sorted(self._held)}, not {request.version}")
             return
-        answer("accepted")
         try:
-            group = proto.make_gloo_group(store, request.group, 0, request.world_size, request.timeout_s,
-                                          proto.local_address_towards(self.host, self.port))
-        except Exception as err:  # noqa: BLE001 - gloo/store errors are RuntimeErrors of several kinds
+            fields = self._accept(request)
+        except Exception as err:  # noqa: BLE001 - e.g. no NCCL library on this trainer
+            answer("accepted", f"the trainer cannot push to engine {request.engine}: {err}")
+            return
+        answer("accepted", **fields)
+        try:
+            group = self._open_group(store, request, fields)
+        except Exception as err:  # noqa: BLE001 - gloo/NCCL/store errors are RuntimeErrors of several kinds
             answer("checked", f"engine {request.engine} did not join the weight-transfer group within "
                               f"{request.timeout_s:.0f} s: {err}")
             return
         try:
-            prefix = proto.group_prefix(request.group) + proto.KEY_EXPECTED
-            for rank in range(1, request.world_size):
-                expected = proto.Expected.from_json(store.get(prefix + str(rank)))
-                proto.check_against_engine(held.names, held.dtypes, held.shapes, expected, request.engine)
-        except Exception as err:  # noqa: BLE001 - ValueError from the check, store errors
-            answer("checked", str(err))
-            return
-        answer("checked", **proto.update_info(held.names, held.dtypes, held.shapes))
-        start = time.monotonic()
-        try:
-            record.buckets = proto.broadcast_buckets(
-                group, held.tensors, request.bucket_bytes,
-                None if self.on_bucket is None else (lambda i, n: self.on_bucket(record, i, n)))
-        except Exception as err:  # noqa: BLE001
-            record.seconds = time.monotonic() - start
-            answer("sent", f"pushing version {request.version} to engine {request.engine} failed after "
-                           f"{record.seconds:.1f} s: {type(err).__name__}: {err}")
-            return
+            try:
+                prefix = proto.group_prefix(request.group) + proto.KEY_EXPECTED
+                for rank in range(1, request.world_size):
+                    expected = proto.Expected.from_json(store.get(prefix + str(rank)))
+                    proto.check_against_engine(held.names, held.dtypes, held.shapes, expected, request.engine)
+            except Exception as err:  # noqa: BLE001 - ValueError from the check, store errors
+                answer("checked", str(err))
+                return
+            answer("checked", **proto.update_info(held.names, held.dtypes, held.shapes))
+            start = time.monotonic()
+            try:
+                record.buckets = self._send(group, held, request,
+                                            None if self.on_bucket is None else (lambda i, n: self.on_bucket(record, i, n)))
+            except Exception as err:  # noqa: BLE001
+                record.seconds = time.monotonic() - start
+                answer("sent", f"pushing version {request.version} to engine {request.engine} failed after "
+                               f"{record.seconds:.1f} s: {type(err).__name__}: {err}")
+                return
+        finally:
+            self._close_group(group)
         record.seconds = time.monotonic() - start
         answer("sent", buckets=record.buckets, seconds=record.seconds)
         with self._pushed_changed:
@@ -220,6 +245,7 @@ class PushTransport(FilesystemTransport):
 
     name = "gloo"
     backend = "gloo"  # the vLLM weight-transfer backend the engines run (--weight-transfer-config)
+    service_cls: type[PushService] = PushService  # the trainer's side of this backend
 
     def __init__(self, storage: RunStorage, *, timeout_s: float = proto.DEFAULT_TIMEOUT_S,
                  bucket_bytes: int = proto.DEFAULT_BUCKET_BYTES):
@@ -237,12 +263,12 @@ class PushTransport(FilesystemTransport):
             host = os.environ.get(constants.ENV_MASTER_ADDR) or "127.0.0.1"
             port = int(os.environ.get(constants.ENV_WEIGHT_PUSH_PORT, constants.WEIGHT_PUSH_PORT))
             try:
-                self.service = PushService(self.storage, host, port, **kwargs)
+                self.service = self.service_cls(self.storage, host, port, **kwargs)
             except RuntimeError as err:  # the port is taken (local runs side by side); the endpoint file says
                 if port == 0:            # which port is used, so any free one does
                     raise
                 log.warning("weight push port %d unavailable (%s); using a free port", port, err)
-                self.service = PushService(self.storage, host, 0, **kwargs)
+                self.service = self.service_cls(self.storage, host, 0, **kwargs)
         return self.service
 
     def publish(self, state_dict: dict[str, Any], version: int, template_dir: Any) -> None:
@@ -300,7 +326,7 @@ class PushTransport(FilesystemTransport):
         if accepted is None or not accepted["ok"]:
             why = "no answer" if accepted is None else accepted["error"]
             return await self._fallback(admin, version, f"trainer push service: {why}")
-        await self._push(admin, store, rid, request, host, port)
+        await self._push(admin, store, rid, request, host, port, accepted)
 
     async def _receive(self, admin: "VLLMAdmin", store: Any, rid: int, request: proto.PushRequest,
                        info: dict[str, Any], limit: float) -> dict[str, Any] | None:
@@ -345,13 +371,27 @@ class PushTransport(FilesystemTransport):
                     await receive
         return sent
 
+    # --- what differs per backend (gloo here; NCCL in nccl_push.NcclPushTransport) --------------------------
+    def _init_info(self, request: proto.PushRequest, host: str, port: int, accepted: dict[str, Any]) -> dict[str, Any]:
+        """The ``POST /init_weight_transfer_engine`` ``init_info`` of this backend's engine
+        (:class:`rlrun_runtime.weights.gloo_engine.GlooWeightTransferInitInfo`)."""
+        return {"master_address": host, "master_port": port, "rank_offset": 1,
+                "world_size": request.world_size, "group": request.group, "timeout_s": request.timeout_s,
+                "packed": True, "packed_buffer_size_bytes": request.bucket_bytes}
+
+    async def _before_init(self, admin: "VLLMAdmin", store: Any, request: proto.PushRequest) -> None:
+        """Called right before the engine is told to join (gloo: nothing; the engine posts what its model
+        expects into the store itself)."""
+
+    async def _after_finish(self, admin: "VLLMAdmin") -> None:
+        """Called after ``/finish_weight_update``. gloo keeps the group until the next init replaces it
+        (gloo_engine drops the old one first): no shutdown call, one RPC less per update."""
+
     async def _push(self, admin: "VLLMAdmin", store: Any, rid: int, request: proto.PushRequest,
-                    host: str, port: int) -> None:
+                    host: str, port: int, accepted: dict[str, Any]) -> None:
         url, limit = admin.base_url, request.timeout_s + 30.0
-        init_info = {"master_address": host, "master_port": port, "rank_offset": 1,
-                     "world_size": request.world_size, "group": request.group, "timeout_s": request.timeout_s,
-                     "packed": True, "packed_buffer_size_bytes": request.bucket_bytes}
-        await admin.init_weight_transfer_engine(init_info, timeout_s=limit)
+        await self._before_init(admin, store, request)
+        await admin.init_weight_transfer_engine(self._init_info(request, host, port, accepted), timeout_s=limit)
         try:
             checked = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "checked"), limit)
         except (RuntimeError, OSError, ValueError) as err:
@@ -381,5 +421,4 @@ class PushTransport(FilesystemTransport):
             raise EngineError(url, "the trainer did not confirm the push: "
                                    + ("no answer" if sent is None else sent["error"]))
         await admin.finish_weight_update()
-        # The engine keeps this group until the next init replaces it (gloo_engine drops the old one first):
-        # no shutdown call, one RPC less per update.
+        await self._after_finish(admin)
