@@ -377,6 +377,8 @@ class Figures:
     phase_reactions_s: list[float | None] = field(default_factory=list)  # from the phase start
     direction_changes: int = 0
     decisions: list[tuple[float, int, int, str]] = field(default_factory=list)
+    # (phase name, pool) -> [queued-request-s, replica-s]: where the totals above come from (reporting only)
+    by_phase: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 
     @property
     def direction_changes_per_hour(self) -> float:
@@ -468,6 +470,11 @@ def run(trace_name: str, trace: dict[str, Any], make_controller: Callable[[Autos
                 completed_batches[req.batch] += 1
         figures.queued_request_s += sim.queued() * dt
         figures.replica_s += sum(p.desired for p in sim.pools.values()) * dt
+        where = trace["phases"][phase_i]["name"] if rl else "all"
+        for name, queued in zip(POOLS, (sim.prefill_split()[1], len(sim.pools[DECODE].waiting))):
+            cell = figures.by_phase.setdefault((where, name), [0.0, 0.0])
+            cell[0] += queued * dt
+            cell[1] += sim.pools[name].desired * dt
         if int(t) % int(policy.scrape_interval_s) == 0:
             loop = LoopSample(weight_updates=updates, update_in_flight=t < pause_until,
                               last_resume_time=last_resume if last_resume is not None and last_resume <= t else None,
@@ -566,12 +573,27 @@ def report(results: dict[str, Figures], policy: AutoscalingView) -> str:
     return "\n".join(lines)
 
 
+def breakdown(results: dict[str, Figures]) -> str:
+    """Queued-request-s and replica-s per phase and pool of each controller (``--breakdown``): rows
+    ``phase pool``, columns per controller; the sums are the totals of :func:`report`."""
+    lines = ["  " + f"{'phase':14s} {'pool':8s}" + "".join(f" {f.controller + ' queued-s':>16s} {'replica-s':>9s}"
+                                                       for f in results.values())]
+    keys = list(dict.fromkeys(k for f in results.values() for k in f.by_phase))
+    for key in keys:
+        cells = "".join(f" {f.by_phase.get(key, (0, 0))[0]:16.0f} {f.by_phase.get(key, (0, 0))[1]:9.0f}"
+                        for f in results.values())
+        lines.append(f"  {key[0]:14s} {key[1]:8s}{cells}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default="all", choices=(*TRACES, *LIVE_SHAPES, "all"))
     parser.add_argument("--seconds", type=float, default=None, help="simulate only the first N seconds")
     parser.add_argument("--make-traces", action="store_true", help="write the frozen traces (once)")
     parser.add_argument("--decisions", action="store_true", help="print every scaling decision")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="print queued-request-s and replica-s per phase and pool")
     args = parser.parse_args(argv)
     cal = Calibration.load()
     if args.make_traces:
@@ -586,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.decisions:
             for f in results.values():
                 print(f"  {f.controller}: " + "; ".join(f"{t:.0f}s {p}P/{d}D {c}" for t, p, d, c in f.decisions))
+        if args.breakdown:
+            print(breakdown(results))
     return 0
 
 

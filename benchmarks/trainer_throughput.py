@@ -3,12 +3,16 @@
 Each case runs warm-up steps, then ``--steps`` timed steps (median reported): forward, logprobs, loss, backward,
 clip, optimizer, schedule, the one metrics read-back. Random weights of a Qwen3 shape (``--shape 0.6b`` is
 Qwen3-0.6B: 28 layers, hidden 1024, 16 heads of 128, 8 KV heads, vocabulary 151,936, tied embeddings), bf16
-compute. Baselines, on the same token count as rows of ``--doc-len`` tokens: a plain transformers model in bf16
-(SDPA) with its own cross-entropy (``labels=``) and fused AdamW, eager and with ``torch.compile(model)``.
+compute; ``--shape 30b-a3b`` is Qwen3-30B-A3B's MoE layer (hidden 2048, 128 experts of intermediate 768, 8 per
+token, 32 heads of 128, 4 KV heads, untied embeddings) with 4 layers (``--layers`` to change), its experts
+through grouped GEMM. Baselines, on the same token count as rows of ``--doc-len`` tokens: a plain transformers
+model in bf16 (SDPA) with its own cross-entropy (``labels=``) and fused AdamW, eager and with
+``torch.compile(model)``.
 
 Printed per case: tokens/s (real tokens), MFU = tokens/s x (6 N + 6 L H D S) / peak (prime-rl's formula; N
-parameters, L layers, H heads, D head dim, S the DOCUMENT length, peak 989 TFLOP/s dense bf16), step time,
-peak GPU memory, and the ratios to the compiled and the eager baseline. ``--json PATH`` writes every figure.
+parameters, for a MoE model the ACTIVE ones (experts counted top_k / num_experts), L layers, H heads, D head
+dim, S the DOCUMENT length, peak 989 TFLOP/s dense bf16), step time, peak GPU memory, and the ratios to the
+compiled and the eager baseline. ``--json PATH`` writes every figure.
 rlrun cases are ``[lora-|fp8-]<layout>[c][a][n|r][#k]``: layout packed16, var16, packed64 or single64; prefix
 ``lora-`` LoRA rank 16 (alpha 32) on q/k/v/o_proj, ``fp8-`` torchao float8 matmuls; suffix ``c`` compiled
 decoder layers (and head), ``a`` activation checkpointing of every layer, ``n`` no FSDP2 wrapper (world size
@@ -17,6 +21,7 @@ layer; ``#k`` a repeat of the same case (timing spread).
 
     python benchmarks/trainer_throughput.py                      # the H200 cases
     python benchmarks/trainer_throughput.py --shape tiny --device cpu --cases packed16,var16 --steps 2
+    python benchmarks/trainer_throughput.py --shape 30b-a3b --model-dir /tmp/moe --cases packed16c   # MoE
 """
 
 from __future__ import annotations
@@ -45,6 +50,18 @@ SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=65536 + 8,
                  rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6),
+    # Qwen3-30B-A3B's layer (its config.json: 128 experts, 8 per token, moe_intermediate 768, 32 heads and 4 KV
+    # heads of 128, untied embeddings) with 4 of its 48 layers, so that one H200 holds it with fp32 Adam state.
+    "30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                    num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                    num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                    max_position_embeddings=65536 + 8, rope_theta=1000000.0, tie_word_embeddings=False,
+                    rms_norm_eps=1e-6),
+    "tiny-moe": dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                     num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                     max_position_embeddings=65536 + 8, rope_theta=1000000.0, tie_word_embeddings=False,
+                     rms_norm_eps=1e-6),
 }
 PROMPT_FRACTION = 0.25  # of every document; the rest is completion (loss tokens)
 
@@ -80,13 +97,18 @@ def get_samples(lengths: list[int], vocab: int, rng: random.Random) -> list[dict
     return out
 
 
-def count_params(model: torch.nn.Module) -> int:
-    """Distinct parameters (a tied embedding counted once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+def count_params(model: torch.nn.Module) -> dict[str, int]:
+    """Distinct parameters (a tied embedding counted once): ``params`` all of them, ``active_params`` those a
+    token passes through (a MoE layer's experts count top_k / num_experts; :func:`rlrun_runtime.moe.count_parameters`)."""
+    from rlrun_runtime.moe import count_parameters
+
+    total, active = count_parameters(model)
+    return {"params": total, "active_params": active}
 
 
 def get_mfu(tokens_per_second: float, params: int, shape: dict[str, Any], seq_len: int) -> float:
-    """prime-rl's MFU: tokens/s x (6 params + 6 layers heads head_dim seq_len) / PEAK_FLOPS."""
+    """prime-rl's MFU: tokens/s x (6 params + 6 layers heads head_dim seq_len) / PEAK_FLOPS; ``params`` are the
+    ACTIVE parameters of a MoE model (a token's matrix products touch only its top-k experts)."""
     flops = 6 * params + 6 * shape["num_hidden_layers"] * shape["num_attention_heads"] * shape["head_dim"] * seq_len
     return tokens_per_second * flops / PEAK_FLOPS
 
@@ -139,7 +161,8 @@ def run_baseline(model_dir: Path, shape: dict[str, Any], num_docs: int, doc_len:
         float(loss)
 
     out = time_steps(step, warmup, steps, device)
-    out.update(tokens=num_docs * doc_len, params=count_params(model), peak_gib=peak_gib(device))
+    out.update(tokens=num_docs * doc_len, **count_params(model), peak_gib=peak_gib(device),
+               experts=getattr(model.config, "_experts_implementation", None))
     return out
 
 
@@ -197,7 +220,8 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
 
         out = time_steps(step, warmup, steps, device)
         out.update(tokens=sum(max(1, len(s["prompt_ids"]) + len(s["completion_ids"]) - 1) for s in samples),
-                   params=count_params(trainer.model), peak_gib=peak_gib(device), losses=losses,
+                   **count_params(trainer.model), peak_gib=peak_gib(device), losses=losses,
+                   experts=getattr(trainer.model.config, "_experts_implementation", None),
                    attn=trainer.model.config._attn_implementation,
                    trainable=sum(p.numel() for p in trainer.params),
                    linear_types=sorted({type(m).__name__ for m in trainer.model.modules()
@@ -210,6 +234,25 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
                 step(warmup + steps + 1)
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     return out
+
+
+def save_random_model(shape: dict[str, Any], model_dir: Path, device: torch.device) -> None:
+    """Seeded random Qwen3 (dense) or Qwen3-MoE (a shape with ``num_experts``) of ``shape``, saved as an HF
+    safetensors directory (float32; a MoE model in bfloat16, its experts in the checkpoint's per-expert layout).
+    A MoE model is initialised on ``device`` (a GPU draws the 3B random weights of ``30b-a3b`` in seconds); a
+    dense one on the CPU, as since the benchmark's first run (the same random weights)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config_class, model_class = ((Qwen3MoeConfig, Qwen3MoeForCausalLM) if "num_experts" in shape
+                                 else (Qwen3Config, Qwen3ForCausalLM))
+    torch.manual_seed(0)
+    with torch.device(device if "num_experts" in shape else "cpu"):
+        model = model_class(config_class(**shape, pad_token_id=0, eos_token_id=1, bos_token_id=1))
+    if "num_experts" in shape:  # 6 GB to write and read in every case's process instead of 12
+        model.to(torch.bfloat16)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    del model
+    free(device)
 
 
 def init_world_of_one(device: torch.device) -> None:
@@ -230,20 +273,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", default=None, help="write every figure to this file (after each case)")
     parser.add_argument("--profile", default="", help="a case to profile one extra step of")
+    parser.add_argument("--layers", type=int, default=0, help="decoder layers instead of the shape's")
+    parser.add_argument("--model-dir", default=None,
+                        help="keep the random model here (built when the directory has no config.json, else reused: "
+                             "one process per case without rebuilding it)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     shape = SHAPES[args.shape]
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
+    if args.layers:
+        shape = {**shape, "num_hidden_layers": args.layers}
     init_world_of_one(device)
     results: dict[str, Any] = {"shape": args.shape, "device": str(device), "torch": torch.__version__,
                                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cases": {}}
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-model-") as tmp:
-        model_dir = Path(tmp)
-        torch.manual_seed(0)
-        Qwen3ForCausalLM(Qwen3Config(**shape, pad_token_id=0, eos_token_id=1, bos_token_id=1)).save_pretrained(
-            model_dir, safe_serialization=True)
+        model_dir = Path(args.model_dir or tmp)
+        if (model_dir / "config.json").is_file():
+            print(f"reusing the random model in {model_dir}", flush=True)
+        else:
+            save_random_model(shape, model_dir, device)
         for case in [c for c in args.cases.split(",") if c]:
             free(device)
             rng = random.Random(0)
@@ -262,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                     seq_len = round(sum(lengths) / len(lengths))
                     out["mean_doc_len"] = seq_len
                 out["tokens_per_s"] = out["tokens"] / out["step_s"]
-                out["mfu"] = get_mfu(out["tokens_per_s"], out["params"], shape, seq_len)
+                out["mfu"] = get_mfu(out["tokens_per_s"], out["active_params"], shape, seq_len)
             except torch.OutOfMemoryError as exc:
                 out = {"error": f"out of memory: {str(exc).splitlines()[0]}", "peak_gib": peak_gib(device)}
             except Exception as exc:  # noqa: BLE001 - a failed case is reported, the others still run

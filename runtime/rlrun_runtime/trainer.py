@@ -38,6 +38,7 @@ from rlrun_runtime.role import RoleConfigError, env_bind_host, env_port, env_req
 
 from . import checkpoint as ckpt
 from .logprobs import LogprobHead, install_logprob_head
+from .moe import get_load_kwargs, prepare_moe_model, to_checkpoint_state_dict
 from .loss import LossMetrics, policy_loss_on_device, token_logprobs
 from .packed_attention import FLEX_ATTENTION, get_model_inputs
 from .packing import MicroBatch, count_loss_tokens, count_on_policy_tokens, get_micro_batches, get_packed_micro_batches
@@ -277,7 +278,9 @@ def publish_weights(model: torch.nn.Module, transport: WeightTransport, version:
     """Gather the full state dict (collective) and publish it on rank 0 as ``version`` through ``transport``.
 
     The state dict is gathered to CPU (``cpu_offload``: FSDP shards never meet on one GPU) and cast to
-    ``dtype``. With tied embeddings ``lm_head.weight`` is left out, as transformers saves it. The filesystem
+    ``dtype``. With tied embeddings ``lm_head.weight`` is left out, as transformers saves it. A MoE model's
+    stacked expert weights are split back into the HF checkpoint's per-expert tensors
+    (:func:`rlrun_runtime.moe.to_checkpoint_state_dict`), the names vLLM loads. The filesystem
     transport writes an HF safetensors directory (sharded above 5 GB) with the files of ``template_dir``.
 
     With LoRA (``lora_scale`` = alpha / rank, ``lora_config`` the adapter's ``peft.LoraConfig``) the published
@@ -306,7 +309,9 @@ def publish_weights(model: torch.nn.Module, transport: WeightTransport, version:
                 state = merge_lora_state_dict(state, lora_scale)
             if tied:
                 state.pop("lm_head.weight", None)
-            state = {k: v.to(dtype).contiguous() for k, v in state.items()}
+            state = {k: v.to(dtype) for k, v in state.items()}
+            state = to_checkpoint_state_dict(model, state)  # MoE experts: back to the checkpoint's layout
+            state = {k: v.contiguous() for k, v in state.items()}
             transport.publish(state, version, files)
     return time.monotonic() - start
 
@@ -401,6 +406,10 @@ def build_model(model_path: str, cfg: TrainerView, device: torch.device, revisio
                 wrap_fsdp: bool | str = True) -> Any:
     """Load the HF causal LM in float32 (master weights) and shard it with FSDP2.
 
+    A mixture-of-experts model (Qwen3-MoE) runs its experts through grouped GEMM and trains without the
+    router's load-balancing loss (:mod:`rlrun_runtime.moe`); its checkpoint's per-expert tensors are stacked
+    per layer by transformers' own conversion on load, and split back when published.
+
     Each decoder layer is its own FSDP unit, then the root. With a bf16/fp16 ``spec.model.dtype`` the
     forward and backward run in that dtype (``MixedPrecisionPolicy`` over float32 shards, gradients reduced
     in float32), so the trainer's logprobs come from the same precision vLLM serves with while the float32
@@ -412,22 +421,30 @@ def build_model(model_path: str, cfg: TrainerView, device: torch.device, revisio
     override the spec's two switches (the benchmark's cases).
 
     Raises:
-        RoleConfigError: transformers cannot load ``model_path``; LoRA targets match no module; fp8 on a
-            device that cannot run it.
+        RoleConfigError: transformers cannot load ``model_path``; a MoE model without grouped GEMM; LoRA targets
+            match no module; fp8 on a device that cannot run it.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from .fp8 import check_quantization
 
     check_quantization(cfg.quantization, device)  # before minutes of loading (again in shard_model)
     attn = get_attn_implementation(cfg, device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, revision=revision,
-                                                     attn_implementation=attn)
+        config = AutoConfig.from_pretrained(model_path, revision=revision)
+        model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32,
+                                                     revision=revision, attn_implementation=attn,
+                                                     **get_load_kwargs(config))
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RoleConfigError(f"spec.model.name: cannot load {model_path!r} ({first}); name an HF model directory, "
                          "a reachable HF model id or rlrun-tiny") from None
+    try:
+        prepare_moe_model(model)
+    except ValueError as exc:
+        raise RoleConfigError(f"spec.model.name: {model_path!r} is a mixture-of-experts model and {exc}; run the "
+                              "trainer with torch >= 2.10 (grouped GEMM on CPU and on CUDA compute capability "
+                              ">= 8.0)") from None
     return shard_model(model, cfg, device, compile_layers, checkpoint_layers, wrap_fsdp=wrap_fsdp,
                        base_name=model_path)
 

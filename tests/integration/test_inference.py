@@ -96,10 +96,10 @@ def test_real_vllm_returns_token_ids_and_temperature_scaled_logprobs(tmp_path):
 
 def test_a_transport_this_runtime_lacks_exits_2_naming_the_field(tmp_path):
     """The role asks the transport named by spec.weightSync.transport (its InferenceView) which weights to
-    serve; a name with no registry entry (validation refuses nccl until its module lands) is bad input."""
+    serve; a name with no registry entry (a config written by another release) is bad input."""
     rlrun = tiny_rlrun()
-    rlrun["spec"]["weightSync"] = {"transport": "nccl"}
+    rlrun["spec"]["weightSync"] = {"transport": "rdma"}
     result = run_role(tmp_path, rlrun)
     assert result.returncode == 2, result.stderr
-    assert "rlrun-runtime inference: spec.weightSync.transport: 'nccl' is not available; use one of: filesystem" \
+    assert "rlrun-runtime inference: spec.weightSync.transport: 'rdma' is not available; use one of: filesystem" \
         in result.stderr and "Traceback" not in result.stderr
