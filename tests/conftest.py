@@ -14,3 +14,18 @@ __all__ = ["ROOT", "tiny_example"]
 def tiny_example() -> dict:
     """A fresh copy of examples/rlrun-tiny.yaml (the embedded default run) as a dict, not defaulted."""
     return load_example("rlrun-tiny.yaml")
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """A trainer process group of one rank on CPU (no torchrun variables), destroyed afterwards; yields the
+    device."""
+    import torch.distributed as dist
+
+    from rlrun_runtime.trainer import init_distributed
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    _, _, device = init_distributed(False)
+    yield device
+    dist.destroy_process_group()

@@ -35,19 +35,6 @@ def _samples(seed=0):
              "inference_logprobs": [-4.2] * 6, "advantage": a, "policy_version": 0} for a in (1.0, -1.0, 0.5, -0.5)]
 
 
-@pytest.fixture
-def world_of_one(monkeypatch):
-    import torch.distributed as dist
-
-    from rlrun_runtime.trainer import init_distributed
-
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    _, _, device = init_distributed(False)
-    yield device
-    dist.destroy_process_group()
-
-
 def _trainer(tmp_path, model_dir, device, trainer=None, storage="storage", lr=1e-2, **kwargs):
     from rlrun_runtime.storage import RunStorage
     from rlrun_runtime.trainer import Trainer

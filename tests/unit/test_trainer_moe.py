@@ -52,19 +52,6 @@ def _samples(seed=0, lengths=((4, 6), (3, 9), (5, 4), (2, 7))):
             for (p, c), a in zip(lengths, (1.0, -1.0, 0.5, -0.5))]
 
 
-@pytest.fixture
-def world_of_one(monkeypatch):
-    import torch.distributed as dist
-
-    from rlrun_runtime.trainer import init_distributed
-
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    _, _, device = init_distributed(False)
-    yield device
-    dist.destroy_process_group()
-
-
 def _trainer(tmp_path, model_dir, device, lr=1e-2, storage="storage"):
     from rlrun_runtime.storage import RunStorage
     from rlrun_runtime.trainer import Trainer
