@@ -3,6 +3,8 @@ HPA algorithm applied per pool, side by side on the same frozen traces.
 
     .venv/bin/python -m benchmarks.autoscaler [--trace rl-phases|balanced-noise|live-decode|live-prefill|all] [--seconds N]
     .venv/bin/python -m benchmarks.autoscaler --make-traces     # (re)write the frozen traces (do not, once tuned)
+    .venv/bin/python -m benchmarks.autoscaler --breakdown      # queued-request-s and replica-s per phase and pool
+    .venv/bin/python -m benchmarks.autoscaler --bound          # what knowing rl-phases' phases buys (~30 s)
 
 Model (one tick = 1 s; one "scrape" every spec.autoscaling.scrapeIntervalSeconds):
 - prefill pool: a FIFO queue; each ready server runs at most ``prefill_concurrency`` requests and processes
@@ -49,6 +51,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -363,6 +366,67 @@ class HpaController:
         return want, "hpa"
 
 
+def make_phase_stepper(splits: list[tuple[int, int]], starts: list[float]) -> type:
+    """A reference that knows the trace, for ``--bound`` only (never a baseline): it steers toward
+    ``splits[i]`` (prefill, decode) from ``starts[i]`` (simulated seconds, ascending, the first 0) on, under the
+    rules decide obeys (steps of one replica, one pool grown per decision or one replica moved, hold while
+    any pool's desired != ready, within maxReplicas: a grow that would exceed it waits for the other pool's
+    step down)."""
+
+    class PhaseStepper:
+        name = "stepper"
+
+        def __init__(self, policy: AutoscalingView):
+            self.policy = policy
+
+        def __call__(self, obs: Observations, now: float) -> tuple[dict[str, int], str]:
+            target = splits[max(i for i, t in enumerate(starts) if now >= t)]
+            have = {p: obs.pool(p).desired for p in POOLS}
+            if any(obs.pool(p).desired != obs.pool(p).ready for p in POOLS):
+                return have, "hold"
+            want = {p: have[p] + (t > have[p]) - (t < have[p]) for p, t in zip(POOLS, target)}
+            if all(want[p] > have[p] for p in POOLS):  # one pool grows per decision, as in decide
+                behind = max(POOLS, key=lambda p: target[POOLS.index(p)] - have[p])
+                want = {p: want[p] if p == behind else have[p] for p in POOLS}
+            if sum(want.values()) > self.policy.max_replicas:
+                want = {p: min(want[p], have[p]) for p in POOLS}
+            return want, "step"
+
+    return PhaseStepper
+
+
+def bound(cal: Calibration) -> str:
+    """``--bound``: the best queued-request-s on ``rl-phases`` of :func:`make_phase_stepper` over a grid of
+    per-phase splits (24 per way), at the HPA's replica-s or fewer, two ways: switching 0 or 60 s after each
+    phase's start (told the phases in advance), and switching when each imbalance becomes visible (the first
+    scrape at which the needy pool queues and the other does not, as decide's reaction is measured; the
+    trainer-bound phase at its start). What a controller told the best split of each phase reaches under
+    decide's rules (benchmarks/README.md, the 2026-12-02 analysis)."""
+    trace, cal, policy, start = get_setup("rl-phases", cal)
+    hpa = run("rl-phases", trace, HpaController, policy, cal, start=start)
+    ours = run("rl-phases", trace, DecideController, policy, cal, start=start)
+    phase_starts = [p["start_s"] for p in trace["phases"]]
+    onsets = {o["t"]: o["t"] + pr - r for o, pr, r in zip(trace["onsets"], ours.phase_reactions_s, ours.reactions_s)
+              if pr is not None and r is not None}
+    ways = {f"{lag} s after each phase start": [t + lag if t else 0 for t in phase_starts] for lag in (0, 60)}
+    ways["when each imbalance is visible"] = [onsets.get(t, t) for t in phase_starts]
+    out = [f"bound on rl-phases (HPA {hpa.queued_request_s:.0f} queued-request-s, {hpa.replica_s:.0f} replica-s; "
+           f"decide {100 * (1 - ours.queued_request_s / hpa.queued_request_s):.1f} % fewer):"]
+    for way, starts in ways.items():
+        rows = []
+        for a, b, c, last in itertools.product((4, 5), (6, 7), (2, 3), ((2, 4), (1, 3), (2, 6))):
+            splits = [(a, 8 - a), (b, 8 - b), (c, 8 - c), last]
+            f = run("rl-phases", trace, make_phase_stepper(splits, starts), policy, cal, start=start)
+            if f.replica_s <= hpa.replica_s:
+                rows.append((f.queued_request_s, f.replica_s, splits, f.trainer_steps))
+        if rows:
+            r = min(rows)
+            out.append(f"  switching {way} ({', '.join(f'{t:.0f}' for t in starts)} s): best {r[0]:.0f} "
+                       f"queued-request-s ({100 * (1 - r[0] / hpa.queued_request_s):.1f} % fewer), {r[1]:.0f} "
+                       f"replica-s, splits {r[2]}, {r[3]} trainer steps")
+    return "\n".join(out)
+
+
 # --- One run --------------------------------------------------------------------------------------
 @dataclass
 class Figures:
@@ -594,6 +658,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decisions", action="store_true", help="print every scaling decision")
     parser.add_argument("--breakdown", action="store_true",
                         help="print queued-request-s and replica-s per phase and pool")
+    parser.add_argument("--bound", action="store_true",
+                        help="what a controller told the rl-phases phases reaches under decide's rules (~30 s)")
     args = parser.parse_args(argv)
     cal = Calibration.load()
     if args.make_traces:
@@ -601,6 +667,9 @@ def main(argv: list[str] | None = None) -> int:
             (DATA / f"autoscaler-{name}.json").write_text(json.dumps(trace, separators=(",", ":")) + "\n")
         return 0
     print(f"calibration: {dataclasses.asdict(cal)}")
+    if args.bound:
+        print(bound(cal))
+        return 0
     for name in ((*TRACES, *LIVE_SHAPES) if args.trace == "all" else (args.trace,)):
         policy = get_setup(name, cal)[2]
         results = compare(name, args.seconds, cal, policy)

@@ -28,6 +28,24 @@ The rules, in the order ``decide`` applies them (the first that fires gives the 
    decision's own imprecision: its pod texts are read within the scrape's timeout (2 s,
    ``rlrun_operator.observe.SCRAPE_TIMEOUT_S``) around ``now``, so a shorter window could not tell a
    sample taken before the burst from one taken during it.
+2b. **did-not-help**: a grow for phase-time pressure (rule 3's ``trainer-waiting``; not a move) is on trial.
+   Its baseline is the pool's phase time while the new pod started (the old replicas still carried the
+   load; the time recorded with the grow is one interval's mean and was measured far from the steady one);
+   its window opens at the first decision with every pool ready. Once the window spans ``CONFIRM_SCRAPES``
+   intervals with ``MIN_PHASE_REQUESTS`` finished requests, the grow did not help if the trainer still
+   waited for data beyond ``trainerWaitFraction`` over the window, the pool does not queue above
+   ``scaleUpWaiting`` and its phase time over the window did not fall by ``HELP_SHARE`` of the 1 / (N + 1)
+   that spreading its work over N + 1 replicas gives at most; otherwise the trial ends and the replica
+   stays. One that did not help is given back (shrink, code ``did-not-help``) once ``downCooldownSeconds``
+   have passed since the grow (a give-back is a scale-down; until then the verdict is taken again at each
+   decision over the longer window), and phase times then do not grow that pool for
+   ``REGROW_BLOCK_TRIALS`` trial lengths (queues still do). While a trial is open, phase times do not grow
+   its pool again (they would on the same evidence). The trainer's wait fraction alone is
+   no test: with short training steps it stays near 1 even when the grow helped (0.9-1.0 before and after
+   in benchmarks/autoscaler.py's live-shaped loops, where the grow brought 66-91 % more trainer steps). Any
+   other scaling ends the trial; so does a verdict, helped or not, or a window without a baseline (an
+   operator restart after the pod was ready: the trial is re-derived from status.scalingHistory, the
+   baseline is not).
 3. **pressure** on a pool: its queue per ready replica is above ``scaleUpWaiting``, or the trainer waited
    for data more than ``trainerWaitFraction`` of the last interval and the queue is above
    ``scaleDownWaiting`` (RL-aware: inference is the bottleneck). If the async gate held generation back
@@ -42,10 +60,10 @@ The rules, in the order ``decide`` applies them (the first that fires gives the 
    decode on a decode server; the queue phase is left out, on decode it spans the KV transfer). A pool
    whose pods finished fewer than ``MIN_PHASE_REQUESTS`` requests in the interval gives no signal, and
    without both pools' signals there is none; the longer time must be ``PHASE_RATIO_MIN`` times the shorter.
-   A pool grown this way is not shrunk while the trainer stays starved (rule 5), even where the new replica
-   did not shorten the steps (on shared CPU cores it slowed them: benchmarks/README.md). (A pause adds its length to every request it catches, and
-   a request is caught in proportion to how long it runs, so both pools' times grow by about the same
-   factor and their order holds.)
+   A pool grown this way is not shrunk by rule 5 while the trainer stays starved; rule 2b gives the replica
+   back if it did not help. (A pause adds its length to every request it catches, and a request is caught
+   in proportion to how long it runs, so both pools' times grow by about the same factor and their order
+   holds.)
    Pressure must be seen in ``CONFIRM_SCRAPES`` consecutive decisions (2: one noisy scrape never scales).
 4. **grow** the pressured pool (the one with the higher queue relative to the threshold if both) by one,
    within its max and ``maxReplicas``, after ``upCooldownSeconds`` since the run's last scaling; at the
@@ -83,6 +101,8 @@ from rlrun_api.views import AutoscalingView
 PREFILL = constants.COMPONENT_PREFILL
 DECODE = constants.COMPONENT_DECODE
 POOLS = (PREFILL, DECODE)
+CODE_TRAINER_WAITING = "trainer-waiting"  # rule 3's phase-time pressure (and the hold while starved)
+CODE_DID_NOT_HELP = "did-not-help"        # rule 2b's give-back
 HISTORY_LIMIT = 20  # status.scalingHistory maxItems in the CRD
 CONFIRM_SCRAPES = 2  # consecutive decisions that must see a pool's pressure (rule 3); not a spec field
 # The settle window's floor (rule 2): the operator reads a decision's pod texts within the scrape's 2 s
@@ -95,6 +115,14 @@ MIN_PHASE_REQUESTS = 10
 # How much longer one pool's phase time must be than the other's to pressure it (rule 3): twice the ~16 %
 # spread of a 10-request mean above, so two pools running alike never pressure either; not a spec field.
 PHASE_RATIO_MIN = 1.3
+# Rule 2b (did-not-help): a phase-time grow from N to N + 1 spreads the pool's work over one replica more, which
+# shortens its requests by at most 1 / (N + 1) (time x N / (N + 1), the spread rule 4 also uses); the grow
+# helped if the pool's phase time fell by at least this share of that (half). Not a spec field.
+HELP_SHARE = 0.5
+# After a give-back, phase times may not grow that pool again for this many trial lengths (a trial holds the
+# replica for max(downCooldownSeconds, CONFIRM_SCRAPES intervals) at least), so that a pool whose new replica
+# never helps holds it at most 1 / (1 + 4) of the time. Queues still grow it. Not a spec field.
+REGROW_BLOCK_TRIALS = 4
 
 
 # --- Observations --------------------------------------------------------------------------------
@@ -195,10 +223,33 @@ def get_loop_sample(text: str) -> LoopSample:
 
 # --- State ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class Trial:
+    """A phase-time grow on trial (rule 2b): ``pool`` was grown to ``replicas`` at ``since`` (unix seconds).
+    ``before_seconds`` / ``before_finished``: the pool's phase-counter deltas while its new pod started (the
+    old replicas still carried the load): the baseline. Not the phase time recorded with the grow, one
+    interval's mean that can be far from the pool's steady one (benchmarks/autoscaler.py's live-prefill
+    loop: 16.1 s recorded at the grow, 39 s at 1 replica once steady, 20 s at 2). The window opens at the
+    first decision at which every pool is ready (``window_start``, the trainer's wait counter then in
+    ``trainer_wait_start``); ``seconds`` / ``finished``: the pool's phase-counter deltas since."""
+
+    pool: str
+    replicas: int
+    since: float
+    window_start: float | None = None
+    trainer_wait_start: float = 0.0
+    seconds: float = 0.0
+    finished: float = 0.0
+    before_seconds: float = 0.0
+    before_finished: float = 0.0
+
+
+@dataclass(frozen=True)
 class State:
-    """What decide remembers between calls. Only ``last_scale_time`` matters across an operator restart
-    (cooldowns), and it is derived from status.scalingHistory (:func:`get_state_from_history`); the rest
-    restarts empty, which only delays a decision (pressure must be confirmed again, rates need two samples).
+    """What decide remembers between calls. Across an operator restart ``last_scale_time`` (cooldowns),
+    ``trial`` (rule 2b's open trial of a phase-time grow) and ``blocked`` (``(pool, unix seconds)`` of the
+    last did-not-help give-back) matter, and they are derived from status.scalingHistory
+    (:func:`get_state_from_history`; a re-derived trial has no baseline, see there); the rest restarts
+    empty, which only delays a decision (pressure must be confirmed again, rates need two samples).
     ``pause_s``: the last pause length known (rule 2's settle window); ``phase_counters``: each pod's phase
     counters at the previous decision, ``(pool, pod name, seconds sum, count)`` (rule 3's phase times).
     """
@@ -211,6 +262,8 @@ class State:
     loop_time: float | None = None
     pause_s: float | None = None
     phase_counters: tuple[tuple[str, str, float, float], ...] = ()
+    trial: Trial | None = None
+    blocked: tuple[str, float] | None = None
 
     def streak(self, pool: str) -> int:
         return self.pressure_streak[POOLS.index(pool)]
@@ -283,11 +336,29 @@ def parse_time(text: str) -> float | None:
 
 
 def get_state_from_history(history: Iterable[Mapping[str, Any]] | None) -> State:
-    """The State after an operator restart: the newest entry's time is the last scaling (dry-run entries
-    too: a dry run shows the cadence acting would have), so a restart keeps every cooldown running."""
-    times = [t for t in (parse_time(e.get("time", "")) for e in history or () if isinstance(e, Mapping))
+    """The State after an operator restart (pure): the newest entry's time is the last scaling (dry-run
+    entries too: a dry run shows the cadence acting would have), so a restart keeps every cooldown running.
+    Rule 2b's state comes from the entries that acted (not dry runs): when the newest is a phase-time grow
+    (action grow, code ``trainer-waiting``), its trial is open again (no baseline yet: one is read only if
+    the new pod is still starting; otherwise the trial closes without a verdict, keeping the replica); the
+    newest ``did-not-help`` entry gives ``blocked``. Entries that are not mappings or have no parseable time
+    are skipped."""
+    timed = [(t, e) for e, t in ((e, parse_time(e.get("time", ""))) for e in history or () if isinstance(e, Mapping))
              if t is not None]
-    return State(last_scale_time=max(times) if times else None)
+    acted = [(t, e) for t, e in timed if not e.get("dryRun")]
+    trial = blocked = None
+    for t, e in acted:
+        changed = [p for p in POOLS if isinstance(e.get(p), int) and isinstance(e.get(f"{p}Before"), int)
+                   and e[p] != e[f"{p}Before"]]
+        if e.get("code") == CODE_DID_NOT_HELP and changed:
+            blocked = (changed[0], t)
+    if acted:
+        t, e = acted[-1]
+        grown = [p for p in POOLS if isinstance(e.get(p), int) and isinstance(e.get(f"{p}Before"), int)
+                 and e[p] == e[f"{p}Before"] + 1]
+        if e.get("action") == "grow" and e.get("code") == CODE_TRAINER_WAITING and len(grown) == 1:
+            trial = Trial(pool=grown[0], replicas=e[grown[0]], since=t)
+    return State(last_scale_time=max(t for t, _ in timed) if timed else None, trial=trial, blocked=blocked)
 
 
 def append_history(history: list[Mapping[str, Any]] | None, entry: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -372,8 +443,18 @@ def get_phase_times(observations: Observations, previous: Iterable[tuple[str, st
     Warming pods are remembered (their delta counts once they are warm) but not read. A pool whose pods
     finished fewer than ``MIN_PHASE_REQUESTS`` requests gives None (no signal).
     """
+    totals, remember = get_phase_deltas(observations, previous)
+    return ({pool: seconds / finished if finished >= MIN_PHASE_REQUESTS else None
+             for pool, (seconds, finished) in totals.items()}, remember)
+
+
+def get_phase_deltas(observations: Observations, previous: Iterable[tuple[str, str, float, float]]
+                     ) -> tuple[dict[str, tuple[float, float]], tuple[tuple[str, str, float, float], ...]]:
+    """Per pool, the seconds and the count of the requests its ready, warmed-up pods finished since the
+    previous decision (:func:`get_phase_times` reads its means from these, with the same rules for joined,
+    restarted, warming and gone pods), and the counters to remember."""
     before = {(pool, name): (total, count) for pool, name, total, count in previous}
-    out: dict[str, float | None] = {}
+    out: dict[str, tuple[float, float]] = {}
     remember: list[tuple[str, str, float, float]] = []
     for pool in POOLS:
         seconds = finished = 0.0
@@ -386,7 +467,7 @@ def get_phase_times(observations: Observations, previous: Iterable[tuple[str, st
                 seconds, finished = seconds + pod.phase_s_sum, finished + pod.phase_count
             else:
                 seconds, finished = seconds + pod.phase_s_sum - last[0], finished + pod.phase_count - last[1]
-        out[pool] = seconds / finished if finished >= MIN_PHASE_REQUESTS else None
+        out[pool] = (seconds, finished)
     return out, tuple(remember)
 
 
@@ -399,6 +480,34 @@ def _phase_hot(phase: Mapping[str, float | None], starved: bool) -> str | None:
     return PREFILL if p > d else DECODE
 
 
+def _advance_trial(trial: Trial | None, observations: Observations, loop: LoopSample | None,
+                   totals: Mapping[str, tuple[float, float]], now: float) -> Trial | None:
+    """Rule 2b's trial after this decision's observations (pure): dropped when its pool's desired replicas
+    are no longer the grown count (a hand edit, a dry run that never grew it, a bounds step); while a pool
+    is not ready, the grown pool's finished requests go to the baseline (``before_*``); its window opens at
+    the first decision with every pool ready and a loop sample (a reset of the trainer's counter re-opens
+    it); once open, the pool's finished requests are added to it."""
+    if trial is None or observations.pool(trial.pool).desired != trial.replicas:
+        return None
+    seconds, finished = totals[trial.pool]
+    if trial.window_start is None or (loop is not None and loop.trainer_wait_s < trial.trainer_wait_start):
+        ready = all(observations.pool(p).desired == observations.pool(p).ready for p in POOLS)
+        if not ready:
+            return dataclasses.replace(trial, window_start=None, before_seconds=trial.before_seconds + seconds,
+                                       before_finished=trial.before_finished + finished)
+        if loop is None:
+            return dataclasses.replace(trial, window_start=None)
+        return dataclasses.replace(trial, window_start=now, trainer_wait_start=loop.trainer_wait_s, seconds=0.0,
+                                   finished=0.0)
+    return dataclasses.replace(trial, seconds=trial.seconds + seconds, finished=trial.finished + finished)
+
+
+def _phase_held(trial: Trial | None, blocked: tuple[str, float] | None) -> set[str]:
+    """The pools phase times may not grow (rule 2b): the one whose last phase-time replica is on trial and
+    the one blocked after a give-back."""
+    return {p for p in (trial.pool if trial else None, blocked[0] if blocked else None) if p is not None}
+
+
 def decide(observations: Observations, state: State, policy: AutoscalingView, now: float) -> Decision:
     """One decision of the autoscaler (pure; the module docstring lists the rules). ``policy``: the run's
     autoscaling view (bounds, budget, cooldowns in seconds, thresholds); ``now``: unix seconds."""
@@ -409,7 +518,12 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
         gated = _fraction(loop.gate_wait_s, state.loop.gate_wait_s, now - state.loop_time)
         trainer_wait = _fraction(loop.trainer_wait_s, state.loop.trainer_wait_s, now - state.loop_time)
     pause_s = get_pause_seconds(loop, state.loop, state.pause_s)
-    phase, phase_counters = get_phase_times(observations, state.phase_counters)
+    phase_totals, phase_counters = get_phase_deltas(observations, state.phase_counters)
+    phase = {p: seconds / finished if finished >= MIN_PHASE_REQUESTS else None
+             for p, (seconds, finished) in phase_totals.items()}
+    trial = _advance_trial(state.trial, observations, loop, phase_totals, now)
+    block_s = REGROW_BLOCK_TRIALS * max(policy.down_cooldown_s, CONFIRM_SCRAPES * policy.scrape_interval_s)
+    blocked = state.blocked if state.blocked is not None and now - state.blocked[1] < block_s else None
     pools: dict[str, _Pool] = {}
     saturated = list(state.saturated_running)
     for i, name in enumerate(POOLS):
@@ -432,16 +546,21 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
     next_state = dataclasses.replace(state, saturated_running=(saturated[0], saturated[1]), fits_since=fits_since,
                                      loop=loop if loop is not None else state.loop,
                                      loop_time=now if loop is not None else state.loop_time,
-                                     pause_s=pause_s, phase_counters=phase_counters)
+                                     pause_s=pause_s, phase_counters=phase_counters, trial=trial, blocked=blocked)
     queues = f"queue per replica prefill {inputs.prefill_waiting:.1f}, decode {inputs.decode_waiting:.1f}"
 
     def result(action: str, code: str, reason: str, change: Mapping[str, int] | None = None,
-               streak: tuple[int, int] | None = None) -> Decision:
+               streak: tuple[int, int] | None = None, new_trial: Trial | None = None) -> Decision:
         after = {p: before[p] + (change or {}).get(p, 0) for p in POOLS}
         acted = after != before
+        # Any scaling ends an open trial (its window would no longer isolate the grown replica); a phase-time
+        # grow opens one; a give-back blocks its pool.
         st = dataclasses.replace(next_state, pressure_streak=(0, 0) if acted else (streak or (0, 0)),
                                  fits_since=(None, None) if acted else next_state.fits_since,
-                                 last_scale_time=now if acted else next_state.last_scale_time)
+                                 last_scale_time=now if acted else next_state.last_scale_time,
+                                 trial=new_trial if acted else next_state.trial,
+                                 blocked=(list(change or {})[0], now) if acted and code == CODE_DID_NOT_HELP
+                                 else next_state.blocked)
         return Decision(prefill=after[PREFILL], decode=after[DECODE], prefill_before=before[PREFILL],
                         decode_before=before[DECODE], action=action, code=code, reason=reason, inputs=inputs,
                         state=st)
@@ -478,6 +597,7 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
         # The queues hold the burst now, the phase times do not (means over the interval's finished requests,
         # stretched alike by the pause): phase pressure still counts toward its confirmation, queues do not.
         hot = _phase_hot(phase, starved) if all(pools[p].counted for p in POOLS) else None
+        hot = None if hot in _phase_held(trial, blocked) else hot
         settling = tuple(keep[i] + 1 if p == hot else keep[i] for i, p in enumerate(POOLS))
         return result("hold", "after-resume", f"{now - loop.last_resume_time:.1f} s after a resume, inside the "
                       f"settle window of {window:.1f} s ({paused}; the requests queued during the pause land now)"
@@ -485,6 +605,32 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
     for name in POOLS:
         if not pools[name].counted:
             return result("hold", "no-samples", f"no ready, warmed-up {name} pod to read", streak=keep)
+
+    since = math.inf if state.last_scale_time is None else now - state.last_scale_time
+
+    # 2b. did the last phase-time grow help? Kept once its window is long enough; given back once the down
+    # cooldown ran too; until then the trial stays open and phase times do not grow its pool again.
+    if trial is not None and trial.window_start is not None and loop is not None:
+        span = now - trial.window_start
+        if span >= CONFIRM_SCRAPES * policy.scrape_interval_s and trial.finished >= MIN_PHASE_REQUESTS:
+            wait = _fraction(loop.trainer_wait_s, trial.trainer_wait_start, span)
+            after_s = trial.seconds / trial.finished
+            baseline = (trial.before_seconds / trial.before_finished
+                        if trial.before_finished >= MIN_PHASE_REQUESTS else None)
+            wanted = None if baseline is None else baseline * (1 - HELP_SHARE / trial.replicas)
+            name = trial.pool
+            useless = (wanted is not None and wait is not None and wait > policy.trainer_wait_fraction
+                       and after_s > wanted and pools[name].per_replica <= policy.scale_up_waiting
+                       and before[name] > max(1, policy.bounds(name).min))
+            if not useless:  # helped, or no verdict possible: the trial is over, the replica stays
+                trial = None
+                next_state = dataclasses.replace(next_state, trial=None)
+            elif since >= policy.down_cooldown_s:
+                return result("shrink", CODE_DID_NOT_HELP, f"give back the {name} replica grown on phase time "
+                              f"{since:.0f} s ago: its requests ran {after_s:.2f} s in the {span:.0f} s since "
+                              f"it was ready, {baseline:.2f} s while it started (helping needed at most "
+                              f"{wanted:.2f} s), and the trainer still waited for data {wait:.0%} of that time; "
+                              f"no phase-time grow of {name} for {block_s:.0f} s; {queues}", {name: -1})
 
     # 3. pressure, confirmed over consecutive decisions.
     # The trainer waiting for data is the direct sign that inference is the bottleneck: it wins over the
@@ -497,6 +643,8 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
             pressure[name] = q / max(policy.scale_up_waiting, 1e-9)
     # Starved without a queue: inference is the bottleneck, the pool where requests run longer gets it.
     phase_hot = None if pressure else _phase_hot(phase, starved)
+    if phase_hot in _phase_held(trial, blocked):
+        phase_hot = None  # its last phase-time replica did not help, or is still on trial (rule 2b)
     if phase_hot is not None:
         pressure[phase_hot] = max(phase[PREFILL], phase[DECODE]) / max(min(phase[PREFILL], phase[DECODE]), 1e-9)
     phases = ("" if phase_hot is None else
@@ -505,7 +653,6 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
               "finished requests); ")
     streak = tuple(state.streak(p) + 1 if p in pressure else 0 for p in POOLS)
     confirmed = {p: v for p, v in pressure.items() if streak[POOLS.index(p)] >= CONFIRM_SCRAPES}
-    since = math.inf if state.last_scale_time is None else now - state.last_scale_time
 
     # 4. grow or move toward the pressured pool.
     if confirmed:
@@ -516,13 +663,14 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
         else:
             why = ("the trainer waited for data " f"{trainer_wait:.0%} of the interval; " if starved and
                    pools[hot].per_replica <= policy.scale_up_waiting else "") + queues
-        code = f"{hot}-queue" if pools[hot].per_replica > policy.scale_up_waiting else "trainer-waiting"
+        code = f"{hot}-queue" if pools[hot].per_replica > policy.scale_up_waiting else CODE_TRAINER_WAITING
         if before[hot] >= policy.bounds(hot).max:
             return result("hold", "pool-max", f"{hot} at its max {before[hot]}; {why}", streak=streak)
         if total < policy.max_replicas:
             if since < policy.up_cooldown_s:
                 return result("hold", "up-cooldown", f"{since:.0f} s since the last scaling; {why}", streak=streak)
-            return result("grow", code, f"grow {hot}: {why}", {hot: 1}, streak)
+            on_trial = Trial(pool=hot, replicas=before[hot] + 1, since=now) if hot == phase_hot else None
+            return result("grow", code, f"grow {hot}: {why}", {hot: 1}, streak, new_trial=on_trial)
         floor = max(1, policy.bounds(other).min)
         if hot == phase_hot and before[other] > floor:  # the phase times after the move (work spread anew)
             hot_after = phase[hot] * before[hot] / (before[hot] + 1)
@@ -546,8 +694,11 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
 
     # 5. shrink a pool whose load fits on one replica fewer.
     if starved:
-        return result("hold", "trainer-waiting", f"the trainer waits for data ({trainer_wait:.0%}); not "
-                      f"shrinking; {queues}", streak=streak)
+        block = ("" if blocked is None else f"phase-time growth of {blocked[0]} blocked for "
+                 f"{block_s - (now - blocked[1]):.0f} s more (its last replica did not help); ")
+        block += "" if trial is None else f"{trial.pool}'s last phase-time replica on trial; "
+        return result("hold", CODE_TRAINER_WAITING, f"the trainer waits for data ({trainer_wait:.0%}); not "
+                      f"shrinking; {block}{queues}", streak=streak)
     def steady_fit(p: str) -> bool:  # fit on N-1 in every decision of the last downCooldownSeconds
         since_fit = next_state.fit_since(p)
         return since_fit is not None and now - since_fit >= policy.down_cooldown_s

@@ -679,6 +679,10 @@ def test_benchmark_short_traces_meet_their_targets():
     # reaction within 2 scrape intervals of the imbalance's onset (the simulation is deterministic)
     assert d.reactions_s[0] is not None and d.reactions_s[0] <= 2 * bench.default_policy().scrape_interval_s
     assert h.reactions_s[0] is None or h.reactions_s[0] > d.reactions_s[0]
+    for f in (d, h):  # --breakdown's cells add up to the totals (two phases in 1500 s, both pools)
+        assert {k[0] for k in f.by_phase} == {"balanced", "prefill-heavy"}
+        assert math.isclose(sum(v[0] for v in f.by_phase.values()), f.queued_request_s)
+        assert math.isclose(sum(v[1] for v in f.by_phase.values()), f.replica_s)
 
 
 @pytest.mark.parametrize("trace, grown", [("live-decode", (1, 2)), ("live-prefill", (2, 1))])
@@ -725,3 +729,189 @@ def test_queues_alone_never_count_during_the_settle_window():
         assert not d.changed and d.code == "after-resume", d.reason
         state = d.state
     assert state.pressure_streak == (0, 0)
+
+
+# --- rule 2b: a phase-time grow that did not help is given back ---------------------------------------
+CODE_DID_NOT_HELP = autoscale.CODE_DID_NOT_HELP
+
+
+class PhaseLoop:
+    """A loop driven one scrape interval at a time: every ready pod of a pool finishes ``finished`` requests
+    of the pool's phase time per interval (cumulative counters, as vLLM's histogram), the trainer waits
+    ``trainer`` of each interval; a grown pool's new pod is ready only when the test says so
+    (:meth:`make_ready`), a shrunk one leaves at once with its counters."""
+
+    def __init__(self, n: tuple[int, int] = (1, 1), state: State | None = None, start: float = NOW):
+        self.state, self.now = state or State(), start
+        self.desired = {PREFILL: n[0], DECODE: n[1]}
+        self.ready = dict(self.desired)
+        self.counters: dict[tuple[str, int], list[float]] = {}
+        self.trainer_s = 0.0
+
+    def make_ready(self) -> None:
+        self.ready = dict(self.desired)
+
+    def step(self, prefill_s: float, decode_s: float, trainer: float = 0.9, finished: float = 16.0
+             ) -> autoscale.Decision:
+        interval = POLICY.scrape_interval_s
+        self.trainer_s += trainer * interval
+        pools = {}
+        for name, seconds in ((PREFILL, prefill_s), (DECODE, decode_s)):
+            pods = []
+            for i in range(self.ready[name]):
+                c = self.counters.setdefault((name, i), [0.0, 0.0])
+                c[0], c[1] = c[0] + finished * seconds, c[1] + finished
+                pods.append(PodSample(f"{name}-{i}", 0.0, 64.0, 0.5, phase_s_sum=c[0], phase_count=c[1]))
+            pools[name] = PoolObservation(self.desired[name], self.ready[name], tuple(pods))
+        obs = Observations(pools[PREFILL], pools[DECODE], LoopSample(trainer_wait_s=self.trainer_s))
+        d = decide(obs, self.state, POLICY, self.now)
+        self.state, self.now = d.state, self.now + interval
+        for name in (PREFILL, DECODE):
+            self.desired[name] = d.replicas(name)
+            self.ready[name] = min(self.ready[name], self.desired[name])
+            for key in [k for k in self.counters if k[0] == name and k[1] >= self.ready[name]]:
+                del self.counters[key]
+        return d
+
+
+def grow_decode_on_phase_time(loop: PhaseLoop, starting: int = 3) -> autoscale.Decision:
+    """Decode's requests run 4 s, prefill's 0.3 s, the trainer starved: decode grows 1 -> 2 at the third
+    decision; its pod then starts for ``starting`` intervals (the baseline) and becomes ready."""
+    decisions = [loop.step(0.3, 4.0) for _ in range(3)]
+    grow = decisions[-1]
+    assert (grow.code, grow.action, grow.decode, grow.state.trial.pool) == ("trainer-waiting", "grow", 2, DECODE)
+    for _ in range(starting):
+        assert loop.step(0.3, 4.0).code == "scale-in-progress"
+    loop.make_ready()
+    return grow
+
+
+def test_a_phase_time_grow_that_did_not_help_is_given_back_and_not_regrown_for_the_block():
+    loop = PhaseLoop()
+    grow_decode_on_phase_time(loop)  # the grow is the third decision, at NOW + 2 intervals
+    decisions = []
+    while len(decisions) < 40:
+        decisions.append(loop.step(0.3, 4.0))  # decode's requests run as long on 2 replicas as on 1
+        if decisions[-1].changed:
+            break
+    back = decisions[-1]
+    assert (back.action, back.code, back.decode_before, back.decode) == ("shrink", "did-not-help", 2, 1), back.reason
+    assert back.state.blocked[0] == DECODE and back.state.trial is None
+    since_grow = back.state.blocked[1] - (NOW + 2 * POLICY.scrape_interval_s)
+    assert since_grow >= POLICY.down_cooldown_s  # a give-back is a scale-down: it waits the down cooldown
+    block_s = autoscale.REGROW_BLOCK_TRIALS * POLICY.down_cooldown_s
+    held, regrown = [], None
+    for _ in range(int(block_s / POLICY.scrape_interval_s) + 4):
+        at = loop.now
+        d = loop.step(0.3, 4.0)
+        if d.changed:
+            regrown = d
+            break
+        held.append((at - back.state.blocked[1], d))
+    inside = [d for age, d in held if age < block_s]
+    assert len(inside) == block_s / POLICY.scrape_interval_s - 1  # every decision of the block after the give-back
+    assert all((d.action, d.code) == ("hold", "trainer-waiting") and "blocked" in d.reason for d in inside[1:])
+    assert regrown is not None and (regrown.code, regrown.decode) == ("trainer-waiting", 2)
+    assert regrown.state.trial is not None  # on trial again
+    assert loop.now - POLICY.scrape_interval_s - back.state.blocked[1] >= block_s
+
+
+@pytest.mark.parametrize("after_s, trainer, regrows", [(2.0, 0.9, True), (4.0, 0.1, False)],
+                         ids=["phase-time-halved", "trainer-fed"])
+def test_a_phase_time_grow_that_helped_is_kept(after_s, trainer, regrows):
+    """Decode's requests ran 4 s on 1 replica: at 2 s on 2 (the work spread) the grow helped, and with the
+    trainer still starved and decode still the longer phase, decode grows again once the verdict is in (not
+    before: its last replica is on trial). With the trainer no longer waiting for data there is no case for
+    a give-back (nor for growing)."""
+    loop = PhaseLoop()
+    grow_decode_on_phase_time(loop)
+    decisions = []
+    for _ in range(40):
+        decisions.append(loop.step(0.3, after_s, trainer=trainer))
+        if decisions[-1].changed:
+            break
+    changed = [d for d in decisions if d.changed]
+    assert CODE_DID_NOT_HELP not in {d.code for d in decisions}
+    if regrows:
+        assert [(d.action, d.code, d.decode) for d in changed] == [("grow", "trainer-waiting", 3)]
+        assert decisions[-2].state.trial is None  # the verdict came first
+        on_trial = [d for d in decisions[:-2] if d.state.trial is not None]
+        assert on_trial and all(d.action == "hold" for d in on_trial)
+    else:
+        assert not changed, [d.reason for d in changed]
+        assert decisions[-1].state.trial is None  # the verdict closed the trial
+
+
+def history_entry(t: float, before: tuple[int, int], after: tuple[int, int], action: str, code: str,
+                  dry_run: bool = False) -> dict:
+    return {"time": autoscale.format_time(t), "prefillBefore": before[0], "decodeBefore": before[1],
+            "prefill": after[0], "decode": after[1], "action": action, "code": code, "dryRun": dry_run,
+            "reason": "r", "inputs": {"decodePhaseSeconds": 4.0, "prefillPhaseSeconds": 0.3}}
+
+
+def test_the_trial_and_the_block_are_derived_from_the_history():
+    grow = history_entry(NOW - 300, (1, 1), (1, 2), "grow", "trainer-waiting")
+    state = autoscale.get_state_from_history([grow])
+    assert state.trial == autoscale.Trial(pool=DECODE, replicas=2, since=NOW - 300) and state.blocked is None
+    back = history_entry(NOW - 100, (1, 2), (1, 1), "shrink", CODE_DID_NOT_HELP)
+    state = autoscale.get_state_from_history([grow, back])
+    assert state.trial is None and state.blocked == (DECODE, NOW - 100) and state.last_scale_time == NOW - 100
+    queue_grow = history_entry(NOW - 50, (1, 1), (2, 1), "grow", "prefill-queue")
+    assert autoscale.get_state_from_history([grow, queue_grow]).trial is None  # a later scaling ended it
+    dry = history_entry(NOW - 50, (1, 1), (1, 2), "grow", "trainer-waiting", dry_run=True)
+    state = autoscale.get_state_from_history([dry])
+    assert state.trial is None and state.last_scale_time == NOW - 50  # a dry run grew nothing to judge
+
+
+def test_a_restart_while_the_pod_starts_still_gives_back_and_one_after_keeps_the_replica():
+    """The trial is re-derived from status.scalingHistory; its baseline (the pool's phase time while the new
+    pod starts) is only read if the pod is still starting after the restart."""
+    grow = history_entry(NOW - 15, (1, 1), (1, 2), "grow", "trainer-waiting")
+    starting = PhaseLoop(n=(1, 2), state=autoscale.get_state_from_history([grow]))
+    starting.ready[DECODE] = 1
+    for _ in range(3):
+        starting.step(0.3, 4.0)
+    starting.make_ready()
+    codes = [starting.step(0.3, 4.0).code for _ in range(20)]
+    assert CODE_DID_NOT_HELP in codes, codes
+    ready = PhaseLoop(n=(1, 2), state=autoscale.get_state_from_history([grow]))
+    decisions = [ready.step(0.3, 4.0) for _ in range(30)]
+    assert CODE_DID_NOT_HELP not in {d.code for d in decisions}
+    assert all(d.decode >= 2 for d in decisions)  # the replica kept (as before rule 2b; decode may grow on)
+    assert decisions[0].state.trial.replicas == 2 and any(d.state.trial is None for d in decisions)  # closed
+
+
+def test_the_block_survives_a_restart():
+    back = history_entry(NOW - 100, (1, 2), (1, 1), "shrink", CODE_DID_NOT_HELP)
+    loop = PhaseLoop(n=(1, 1), state=autoscale.get_state_from_history([back]))
+    block_s = autoscale.REGROW_BLOCK_TRIALS * POLICY.down_cooldown_s
+    first = None
+    for _ in range(60):
+        d = loop.step(0.3, 4.0)
+        if d.changed:
+            first = d
+            break
+    assert first is not None and first.code == "trainer-waiting" and first.decode == 2
+    assert loop.now - POLICY.scrape_interval_s - (NOW - 100) >= block_s
+
+
+trials = st.builds(autoscale.Trial, pool=st.sampled_from([PREFILL, DECODE]), replicas=st.integers(1, 8),
+                   since=st.floats(NOW - 1000, NOW), window_start=st.none() | st.floats(NOW - 1000, NOW),
+                   trainer_wait_start=st.floats(0, 1e4), seconds=st.floats(0, 1e4), finished=st.floats(0, 1e3),
+                   before_seconds=st.floats(0, 1e4), before_finished=st.floats(0, 1e3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(obs=observations(), policy=policies, state=previous_states, trial=trials,
+       blocked=st.none() | st.tuples(st.sampled_from([PREFILL, DECODE]), st.floats(NOW - 2000, NOW)))
+def test_never_over_budget_or_under_min_with_a_trial(obs, policy, state, trial, blocked):
+    """A give-back is a step of one within the bounds, like every other decision."""
+    d = decide(obs, dataclasses.replace(state, trial=trial, blocked=blocked), policy, NOW)
+    before = (obs.prefill.desired, obs.decode.desired)
+    after = (d.prefill, d.decode)
+    assert all(abs(a - b) <= 1 for a, b in zip(after, before)) and min(after) >= 1
+    assert sum(after) <= max(sum(before), policy.max_replicas)
+    if d.code == CODE_DID_NOT_HELP:
+        pool = trial.pool
+        assert d.replicas(pool) == obs.pool(pool).desired - 1 >= policy.bounds(pool).min
+        assert obs.prefill.desired == obs.prefill.ready and obs.decode.desired == obs.decode.ready
