@@ -714,9 +714,10 @@ class Orchestrator:
 
         Besides :func:`assemble_batch`'s keys the batch counts what its generation rounds saw:
         ``generated_rollouts`` (choices received), ``dropped_bad_logprob_samples``,
-        ``dropped_bad_token_ids_samples``, ``scorer_errors`` (+ ``last_scorer_error``), ``dropped_long_prompts``
-        and ``prompts_requested`` (tasks drawn: with ``dropped_long_prompts`` equal to it, every prompt was too
-        long).
+        ``dropped_bad_token_ids_samples``, ``scorer_errors`` (+ ``last_scorer_error``), ``dropped_long_prompts``,
+        ``prompts_requested`` (tasks drawn: with ``dropped_long_prompts`` equal to it, every prompt was too
+        long) and ``leftover_groups`` (generated groups that did not fit, carried to the next batch, where the
+        ones too old for it are dropped as stale).
         """
         started = time.monotonic()
         view = self.view
@@ -759,6 +760,7 @@ class Orchestrator:
         batch["dropped_bad_token_ids_samples"] = bad_token_ids
         batch["dropped_long_prompts"] = long_prompts
         batch["prompts_requested"] = requested
+        batch["leftover_groups"] = len(assembled.leftover)
         batch["generated_rollouts"] = generated
         batch["scorer_errors"] = scorer_errors
         batch["last_scorer_error"] = last_error

@@ -141,7 +141,11 @@ def test_real_run_async_gate_weight_updates_metrics_and_resume(tmp_path, router)
         assert not any(s["batch_after_next_ready_before_publish"] for s in trainer.seen)
         for seen in trainer.seen:
             batch, step = seen["batch"], seen["step"]
-            assert len(batch["samples"]) == 16 and batch["dropped_stale_groups"] == 0
+            assert len(batch["samples"]) == 16
+            # only groups left over from batch n - 1 can be stale at n: new ones pass the gate (staleness <= 1),
+            # and batch 2's leftovers of version 0 are stale at step 3 (a version-0 leftover at step 2 is not)
+            left_before = trainer.seen[step - 2]["batch"]["leftover_groups"] if step == 3 else 0
+            assert 0 <= batch["dropped_stale_groups"] <= left_before, (step, batch["dropped_stale_groups"])
             assert all(step - 1 - 1 <= v <= step - 1 for v in batch["policy_versions"])
             for sample in batch["samples"]:
                 assert len(sample["completion_ids"]) == len(sample["inference_logprobs"]) >= 1
