@@ -8,10 +8,11 @@ Run from the repository root (takes the heavy lock itself is up to the caller)::
 One server (transport gloo, so it runs rlrun's engine) serves the model; every round publishes a new
 version through the push transport (which also writes ``weights/step-N``), then updates the server with
 it twice through the one update sequence (``weights/update.py``): once pushed from memory, once reloaded
-from the storage by the filesystem transport. The figures are the sequence's own ``latency_ms`` (pause
+from the storage by the filesystem transport (push first in odd rounds, filesystem first in even ones). The figures are the sequence's own ``latency_ms`` (pause
 sent -> resume answered), each round's latency, and their split: the median time of every engine call of
 the update (``TIMED_CALLS``), the trainer's send of the buckets (it overlaps ``update_weights``) and the rest
-("other": the store round trips of the push). ``--qwen3-0.6b`` serves a random model of Qwen3-0.6B's shape in bfloat16
+("other": the store round trips of the push), and the engine's own split of every push (the line
+``rlrun gloo engine: update ...`` its worker prints: receive waited for, ``load_weights``, finalization). ``--qwen3-0.6b`` serves a random model of Qwen3-0.6B's shape in bfloat16
 (~1.2 GB of safetensors written and re-read per filesystem load).
 """
 
@@ -38,6 +39,7 @@ from rlrun_runtime.storage import RunStorage
 from rlrun_runtime.vllm_admin import VLLMAdmin
 from rlrun_runtime.weights.filesystem import FilesystemTransport
 from rlrun_runtime.weights.push import PushTransport
+from rlrun_runtime.weights.push_protocol import DEFAULT_BUCKET_BYTES
 from rlrun_runtime.weights.update import update_engines
 
 
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--qwen3-0.6b", dest="big", action="store_true")
+    parser.add_argument("--bucket-mib", type=int, default=0,
+                        help="push bucket size in MiB (default: push_protocol.DEFAULT_BUCKET_BYTES)")
     args = parser.parse_args(argv)
     import torch
 
@@ -150,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             for entry in model_dir.iterdir():
                 if entry.is_file() and not entry.name.endswith((".safetensors", ".index.json")):
                     (template / entry.name).write_bytes(entry.read_bytes())
-            push, filesystem = PushTransport(RunStorage(storage)), FilesystemTransport(RunStorage(storage))
+            bucket_bytes = args.bucket_mib * 2**20 if args.bucket_mib > 0 else DEFAULT_BUCKET_BYTES
+            push = PushTransport(RunStorage(storage), bucket_bytes=bucket_bytes)
+            filesystem = FilesystemTransport(RunStorage(storage))
             times: dict[str, list[float]] = {"push": [], "filesystem": []}
             splits: dict[str, list[dict[str, float]]] = {"push": [], "filesystem": []}
             sink: dict[str, float] = {}
@@ -162,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
                 start = time.perf_counter()
                 push.publish(state, version, template)
                 publish_s.append(time.perf_counter() - start)
-                for name, transport in (("push", push), ("filesystem", filesystem)):
+                pair = (("push", push), ("filesystem", filesystem))
+                # which goes first alternates: the first update of a process pays one-off costs (imports,
+                # vLLM's first layerwise reload), which would otherwise always fall on the push
+                for name, transport in (pair if version % 2 else pair[::-1]):
                     sink.clear()
                     update = asyncio.run(update_engines([url], version, transport, previous=previous))[0]
                     times[name].append(update.latency_ms)
@@ -176,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             push.close()
             size = sum(p.stat().st_size for p in RunStorage(storage).weights(args.rounds).glob("*.safetensors"))
             print(f"model {'random Qwen3-0.6B shape, bf16' if args.big else 'rlrun-tiny, fp32'}, "
-                  f"{size / 2**20:.1f} MiB per version, {args.rounds} rounds, fallbacks {push.fallbacks}")
+                  f"{size / 2**20:.1f} MiB per version, {args.rounds} rounds, buckets of "
+                  f"{bucket_bytes / 2**20:g} MiB, fallbacks {push.fallbacks}")
             for name, values in times.items():
                 print(f"{name:>10}: pause->resume p50 {statistics.median(values):8.1f} ms  "
                       f"p99 {percentile(values, 0.99):8.1f} ms  max {max(values):8.1f} ms")
@@ -187,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
                       + ", ".join(f"{k} {statistics.median(row.get(k, 0.0) for row in rows):.1f}" for k in keys))
             for name, values in times.items():
                 print(f"{name:>10} per round, ms: " + " ".join(f"{v:.1f}" for v in values))
+            # the engine's own split of each push (gloo_engine.finish_weight_update prints one line per update)
+            for line in (root / "vllm.log").read_text(errors="replace").splitlines():
+                if "rlrun gloo engine: update" in line:
+                    print("    engine: " + line[line.index("rlrun gloo engine: ") + len("rlrun gloo engine: "):])
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)

@@ -75,8 +75,10 @@ def test_check_without_checkpoint_shapes_checks_dtypes_only():
         proto.check_against_engine(["anything"], ["bfloat16"], [[3]], unknown, "e")
 
 
-def test_gloo_buckets_round_trip_between_two_ranks():
-    """Rank 0 broadcasts a mixed-dtype state dict in small buckets; rank 1 rebuilds every tensor exactly."""
+@pytest.mark.parametrize("prepacked", [False, True])
+def test_gloo_buckets_round_trip_between_two_ranks(prepacked):
+    """Rank 0 broadcasts a mixed-dtype state dict in small buckets (packed while it sends, or beforehand by
+    ``pack_buckets`` as the trainer does when it offers a version); rank 1 rebuilds every tensor exactly."""
     generator = torch.Generator().manual_seed(0)
     state = {"a": torch.randn(33, 7, generator=generator), "b": torch.randn(5, generator=generator).bfloat16(),
              "c": torch.randn(300, generator=generator), "d": torch.randn(2, 3, generator=generator).bfloat16()}
@@ -101,7 +103,15 @@ def test_gloo_buckets_round_trip_between_two_ranks():
     thread = threading.Thread(target=receiver)
     thread.start()
     group = proto.make_gloo_group(store, "g", 0, 2, 10.0, "127.0.0.1")
-    count = proto.broadcast_buckets(group, [state[n] for n in names], 600)
+    if prepacked:
+        buckets, views = proto.pack_buckets([state[n] for n in names], 600)
+        # "c" follows 10 bytes of bfloat16 in its bucket: not float32-aligned, so its view is a copy of its own
+        assert [b.numel() for b in buckets] == [924, 1210, 12]
+        for name, view in zip(names, views):
+            assert view.dtype == state[name].dtype and torch.equal(view, state[name])
+        count = proto.broadcast_buckets(group, views, 600, packed=buckets)
+    else:
+        count = proto.broadcast_buckets(group, [state[n] for n in names], 600)
     thread.join(30)
     assert not errors
     assert count == len(loads) == len(proto.plan_buckets([state[n].numel() * state[n].element_size()

@@ -11,7 +11,11 @@ Same wire format and lifecycle as vLLM's NCCL engine (:mod:`rlrun_runtime.weight
 group (trainer rank 0 + this server's workers), ``start_weight_update`` starts vLLM's layerwise reload,
 ``update_weights`` receives the buckets into ``model.load_weights``, ``finish_weight_update`` finalizes the
 reload and re-processes tied LM heads, which vLLM on CPU otherwise leaves holding the old weights (the same
-fix as :mod:`rlrun_runtime.vllm_worker`, measured there).
+fix as :mod:`rlrun_runtime.vllm_worker`, measured there), then prints the update's split (one line per update
+in the server's log, ``rlrun gloo engine: update ...``: join, waits for data, ``load_weights``, finalization).
+
+gloo's threads are created with every CPU of the process allowed (:func:`_threads_on_every_cpu`): vLLM's CPU
+worker binds its own threads to its cores, and the receive then competes with ``load_weights`` for them.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +101,59 @@ def refresh_lm_heads(model: torch.nn.Module) -> list[str]:
     return refreshed
 
 
+def allowed_cpus() -> set[int]:
+    """The CPUs this process may run on: the cgroup's cpuset (``cpuset.cpus.effective``, cgroup v2) when it
+    can be read, else every CPU of the machine (the kernel intersects an affinity mask with the cpuset)."""
+    import os
+    from pathlib import Path
+
+    for path in (Path("/sys/fs/cgroup/cpuset.cpus.effective"), Path("/sys/fs/cgroup/cpuset/cpuset.effective_cpus")):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        cpus: set[int] = set()
+        for part in filter(None, text.split(",")):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+        if cpus:
+            return cpus
+    return set(range(os.cpu_count() or 1))
+
+
+@contextlib.contextmanager
+def _threads_on_every_cpu():
+    """Let the threads created inside (gloo's I/O loop and its process group's workers) run on every CPU the
+    process may use, then give the calling thread its own mask back.
+
+    vLLM's CPU worker binds its compute threads, the calling one included, to its cores
+    (``VLLM_CPU_OMP_THREADS_BIND``: ``OMP_PLACES`` / ``OMP_PROC_BIND`` set for the worker process by
+    ``vllm/utils/ompmultiprocessing.py``; seen in ``/proc/<pid>/task/*/status``) and a new thread inherits its
+    creator's mask, so gloo's receive would otherwise share the core on which ``load_weights`` runs. No-op where the platform has
+    no ``sched_setaffinity``."""
+    import os
+
+    setter = getattr(os, "sched_setaffinity", None)
+    if setter is None:
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    wanted = allowed_cpus() | own
+    changed = False
+    if wanted != own:
+        try:
+            setter(0, wanted)
+            changed = True
+        except OSError:
+            pass
+    try:
+        yield
+    finally:
+        if changed:
+            with contextlib.suppress(OSError):
+                setter(0, own)
+
+
 def _engine_base() -> type:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
@@ -116,6 +174,7 @@ class GlooWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         self.group: Any = None
         self.store: Any = None
         self.info: GlooWeightTransferInitInfo | None = None
+        self.timings: dict[str, float] = {}  # seconds per phase of the update under way (see finish)
 
     def _rank(self, info: GlooWeightTransferInitInfo) -> int:
         parallel = self.parallel_config
@@ -127,6 +186,7 @@ class GlooWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         Raises (bounded by ``init_info.timeout_s``): the store is unreachable or the trainer never joined.
         """
         self.shutdown()
+        began = time.perf_counter()
         timeout = datetime.timedelta(seconds=init_info.timeout_s)
         rank = self._rank(init_info)
         store = torch.distributed.TCPStore(init_info.master_address, init_info.master_port, is_master=False,
@@ -134,29 +194,49 @@ class GlooWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         expected = expected_of(self.model, self.model_config)
         store.set(proto.group_prefix(init_info.group) + proto.KEY_EXPECTED + str(rank), expected.to_json())
         hostname = proto.local_address_towards(init_info.master_address, init_info.master_port)
-        self.group = proto.make_gloo_group(store, init_info.group, rank, init_info.world_size,
-                                           init_info.timeout_s, hostname)
+        joining = time.perf_counter()
+        with _threads_on_every_cpu():
+            self.group = proto.make_gloo_group(store, init_info.group, rank, init_info.world_size,
+                                               init_info.timeout_s, hostname)
         self.store, self.info = store, init_info
+        self.timings = {"init": time.perf_counter() - began, "join": time.perf_counter() - joining}
         log.info("gloo weight transfer: joined group %s as rank %d of %d", init_info.group, rank,
                  init_info.world_size)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        began = time.perf_counter()
         initialize_layerwise_reload(self.model)
+        self.timings["start"] = time.perf_counter() - began
 
     def finish_weight_update(self) -> None:
+        """Finalize the layerwise reload, refresh the tied LM heads, print the update's timings (one line in
+        the server's log: ``rlrun gloo engine: update ...``, milliseconds; benchmarks/weight_push.py reads it)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        began = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
+        finalized = time.perf_counter()
         refresh_lm_heads(self.model)
+        ended = time.perf_counter()
+        t = self.timings
+        t["finish"], t["finalize"], t["heads"] = ended - began, finalized - began, ended - finalized
+        ms = {k: v * 1000.0 for k, v in t.items() if k != "bytes"}
+        print(f"rlrun gloo engine: update {t.get('bytes', 0.0) / 2**20:.1f} MiB in {int(t.get('buckets', 0))} "
+              f"buckets: init {ms.get('init', 0):.1f} ms (join {ms.get('join', 0):.1f}), start "
+              f"{ms.get('start', 0):.1f}, update {ms.get('update', 0):.1f} (waiting for data "
+              f"{ms.get('wait', 0):.1f}, load_weights {ms.get('load', 0):.1f}), finish {ms['finish']:.1f} "
+              f"(finalize {ms['finalize']:.1f}, heads {ms['heads']:.1f})", flush=True)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """The base class's, without its ``torch.accelerator.synchronize()`` (no accelerator on CPU; gloo's
         receive is synchronous)."""
         typed = self.parse_update_info(update_info)
+        began = time.perf_counter()
         try:
             self.receive_weights(typed)
+            self.timings["update"] = time.perf_counter() - began
         except BaseException:
             # vLLM forgets the update after a failed update_weights; give every layer that received nothing
             # its previous tensors back (none stays on the meta device), as rlrun_reload_weights does.
@@ -173,11 +253,9 @@ class GlooWeightTransferEngine(_engine_base()):  # type: ignore[misc]
             raise RuntimeError("gloo weight transfer not initialized: call init_weight_transfer_engine first")
         dtypes = [getattr(torch, name) for name in update_info.dtype_names]
         load = self._load
-        if self.info.packed:
-            proto.receive_buckets(self.group, update_info.names, dtypes, update_info.shapes,
-                                  self.info.packed_buffer_size_bytes, load)
-        else:  # one tensor per collective (the NCCL engine's unpacked mode)
-            proto.receive_buckets(self.group, update_info.names, dtypes, update_info.shapes, 0, load)
+        bucket_bytes = self.info.packed_buffer_size_bytes if self.info.packed else 0  # 0: one tensor per collective
+        self.timings["buckets"] = proto.receive_buckets(self.group, update_info.names, dtypes, update_info.shapes,
+                                                        bucket_bytes, load, self.timings)
 
     def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check

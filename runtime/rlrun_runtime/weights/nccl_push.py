@@ -165,6 +165,10 @@ class NcclPushTransport(PushTransport):
             await asyncio.to_thread(store.set, prefix + proto.KEY_EXPECTED + str(rank), value)
         await asyncio.to_thread(store.set, prefix + KEY_JOINING, "1")
 
+    async def prepare(self, admin: "VLLMAdmin", version: int) -> None:
+        """Nothing ahead of the pause over NCCL: whether a load pushes at all is decided in ``load_into`` (the
+        storage copy after failed pushes), and an NCCL join beside a GPU engine still serving is unmeasured."""
+
     async def _after_finish(self, admin: "VLLMAdmin") -> None:
         """vLLM's NCCL engine replaces its group on the next init without destroying it: shut it down now."""
         await admin.shutdown_weight_transfer_engine()

@@ -5,10 +5,11 @@ Three processes take part. The trainer's rank 0 runs a :class:`PushService` (a `
 ``constants.WEIGHT_PUSH_PORT``, its address in ``weights/push-endpoint.json`` on the run's storage) that holds
 the newest published state dict and serves push requests. The orchestrator drives each engine's update
 (pause, load, version, cache, resume: :mod:`rlrun_runtime.weights.update`); for the load,
-:meth:`PushTransport.load_into` posts a request to the service, has the engine join a fresh gloo group with
-the trainer (``/init_weight_transfer_engine``), waits for the trainer's name/dtype/shape check against the
-engine's model, then ``/start_weight_update`` -> ``/update_weights`` (the engine receives while the trainer
-sends) -> ``/finish_weight_update``. The engine side is :mod:`rlrun_runtime.weights.gloo_engine`.
+:meth:`PushTransport.prepare` (alongside the engine's pause: it touches no weight) posts a request to the
+service, has the engine join a fresh gloo group with the trainer (``/init_weight_transfer_engine``) and waits
+for the trainer's name/dtype/shape check against the engine's model; :meth:`PushTransport.load_into` (engine
+paused) then tells the trainer to send (``go``), ``/start_weight_update`` -> ``/update_weights`` (the engine
+receives while the trainer sends) -> ``/finish_weight_update``. The engine side is :mod:`rlrun_runtime.weights.gloo_engine`.
 
 Every version is also written to the storage as the filesystem transport writes it (the trainer does this
 before the orchestrator learns of the version): a starting or restarted engine serves it from there, a
@@ -48,6 +49,7 @@ HELD_VERSIONS = 2        # versions the trainer keeps for pushes: a push of N ma
 CLOSE_GRACE_S = 30.0     # how long an exiting trainer waits for its last version to be pushed once
 KEY_POLL_S = 0.002       # how often a waiting party looks for its key in the store (a local round trip)
 SENT_POLL_S = 0.05       # how often the orchestrator looks for the trainer's "sent" while the engine receives
+GO_GRACE_S = 30.0        # beyond the push timeout, how long the checked trainer waits for the engine's pause
 
 
 def _store_client(host: str, port: int, timeout_s: float) -> Any:
@@ -86,12 +88,28 @@ class PushRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Joined:
+    """A push the engine has joined and the trainer has checked (:meth:`PushTransport._join`): the store
+    connection, the request's id and request, the ``update_info`` to post."""
+
+    store: Any
+    rid: int
+    request: proto.PushRequest
+    info: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class _Held:
+    """One offered version: its manifest, its tensors (views of ``buckets``) and the buckets themselves, packed
+    for ``bucket_bytes`` (what a request with that bucket size sends as they are)."""
+
     version: int
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
     tensors: list[Any]
+    buckets: list[Any] = dataclasses.field(default_factory=list)
+    bucket_bytes: int = 0
 
 
 class PushService:
@@ -102,13 +120,17 @@ class PushService:
         host: the address engines and the orchestrator reach this process at (``MASTER_ADDR`` in a pod).
         port: the store's port (0: any free port).
         on_bucket: called as ``on_bucket(record, index, count)`` after each bucket went out (tests).
+        bucket_bytes: the bucket size offered versions are packed for (a request of another size packs
+            while it sends).
     """
 
-    def __init__(self, storage: RunStorage, host: str, port: int, *, on_bucket: Callable[..., None] | None = None):
+    def __init__(self, storage: RunStorage, host: str, port: int, *, on_bucket: Callable[..., None] | None = None,
+                 bucket_bytes: int = proto.DEFAULT_BUCKET_BYTES):
         import torch.distributed as dist
 
         self.storage, self.host = storage, host
         self.on_bucket = on_bucket
+        self.bucket_bytes = bucket_bytes  # what offered versions are packed for (the requests' usual size)
         self._store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=proto.DEFAULT_TIMEOUT_S))
         self.port = int(self._store.port)
@@ -127,9 +149,11 @@ class PushService:
         an older version already under way keep their own reference."""
         names, dtypes, shapes = proto.manifest_of(state)
         # A copy: on CPU the gathered state dict may share storage with the parameters the next optimizer
-        # step changes in place, and a push of this version may still be under way then.
+        # step changes in place, and a push of this version may still be under way then. The copy is made
+        # straight into the wire's buckets, so a push of this bucket size sends without packing.
         held = dict(self._held)
-        held[version] = _Held(version, names, dtypes, shapes, [state[n].detach().clone() for n in names])
+        buckets, tensors = proto.pack_buckets([state[n] for n in names], self.bucket_bytes)
+        held[version] = _Held(version, names, dtypes, shapes, tensors, buckets, self.bucket_bytes)
         self._held = {v: held[v] for v in sorted(held)[-HELD_VERSIONS:]}
 
     def close(self, timeout_s: float = proto.DEFAULT_TIMEOUT_S, grace_s: float = CLOSE_GRACE_S) -> None:
@@ -165,7 +189,8 @@ class PushService:
 
     def _send(self, group: Any, held: _Held, request: proto.PushRequest, on_bucket: Callable[[int, int], None] | None) -> int:
         """Broadcast ``held``'s tensors in buckets of ``request.bucket_bytes``; returns the bucket count."""
-        return proto.broadcast_buckets(group, held.tensors, request.bucket_bytes, on_bucket)
+        packed = held.buckets if held.bucket_bytes == request.bucket_bytes else None
+        return proto.broadcast_buckets(group, held.tensors, request.bucket_bytes, on_bucket, packed)
 
     def _close_group(self, group: Any) -> None:
         """Release the trainer's side of ``group`` after the send (gloo: nothing; the object is dropped)."""
@@ -218,6 +243,16 @@ class PushService:
                 answer("checked", str(err))
                 return
             answer("checked", **proto.update_info(held.names, held.dtypes, held.shapes))
+            # The check overlaps the engine's pause; the engine receives only once the orchestrator says go.
+            try:
+                go = _wait_json(store, proto.key_go(rid), request.timeout_s + GO_GRACE_S)
+            except Exception as err:  # noqa: BLE001 - the store failed: nothing was sent
+                go = {"ok": False, "why": f"the store failed: {err}"}
+            if go is None or not go.get("ok"):
+                answer("sent", f"push of version {request.version} to engine {request.engine} not started: " + (
+                    f"the orchestrator gave it up ({go.get('why')})" if go is not None else
+                    f"the orchestrator did not start the load within {request.timeout_s + GO_GRACE_S:.0f} s"))
+                return
             start = time.monotonic()
             try:
                 record.buckets = self._send(group, held, request,
@@ -253,6 +288,7 @@ class PushTransport(FilesystemTransport):
         self.timeout_s, self.bucket_bytes = timeout_s, bucket_bytes
         self.service: PushService | None = None
         self._workers: dict[str, int] = {}  # engine URL -> its worker count
+        self._prepared: dict[tuple[str, int], tuple[str, Any]] = {}  # (engine URL, version) -> prepare's outcome
         self.fallbacks = 0  # loads that went through the storage copy instead of a push
 
     # --- trainer side ----------------------------------------------------------------------------------
@@ -262,6 +298,7 @@ class PushTransport(FilesystemTransport):
         if self.service is None:
             host = os.environ.get(constants.ENV_MASTER_ADDR) or "127.0.0.1"
             port = int(os.environ.get(constants.ENV_WEIGHT_PUSH_PORT, constants.WEIGHT_PUSH_PORT))
+            kwargs.setdefault("bucket_bytes", self.bucket_bytes)
             try:
                 self.service = self.service_cls(self.storage, host, port, **kwargs)
             except RuntimeError as err:  # the port is taken (local runs side by side); the endpoint file says
@@ -296,21 +333,69 @@ class PushTransport(FilesystemTransport):
         self.fallbacks += 1
         await super().load_into(admin, version)
 
+    async def prepare(self, admin: "VLLMAdmin", version: int) -> None:
+        """The first half of the push, alongside the engine's pause (:meth:`WeightTransport.prepare`): the
+        request to the trainer, the engine's join of the group, the trainer's check. Touches no weight: the
+        engine starts its layerwise reload only in ``load_into``. Its outcome (or error) waits for
+        ``load_into`` (or :meth:`release`)."""
+        key = (admin.base_url, version)
+        try:
+            self._prepared[key] = ("joined", await self._join(admin, version))
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - raised by load_into, after the pause
+            self._prepared[key] = ("error", err)
+
+    async def release(self, admin: "VLLMAdmin", version: int) -> None:
+        """Tell the trainer that a prepared push of ``version`` to this engine will not happen (best effort:
+        the trainer's own wait for it is bounded)."""
+        kind, joined = self._prepared.pop((admin.base_url, version), (None, None))
+        if kind == "joined" and isinstance(joined, _Joined):
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(joined.store.set, proto.key_go(joined.rid),
+                                        json.dumps({"ok": False, "why": "the update ended before the load"}))
+
     async def load_into(self, admin: "VLLMAdmin", version: int) -> None:
         """Receive ``version`` pushed by the trainer (module docstring); from the storage copy when the
-        trainer's service is unreachable or does not hold ``version``.
+        trainer's service is unreachable or does not hold ``version``. Takes over what :meth:`prepare` did
+        for ``(admin, version)``, or does it first.
 
         Raises:
             EngineError: the engine or the trainer failed the push; the message names the engine.
         """
+        kind, joined = self._prepared.pop((admin.base_url, version), (None, None))
+        if kind == "error":
+            raise joined
+        if kind == "joined" and isinstance(joined, _Joined) and await self._trainer_gave_up(joined):
+            joined = None  # the pause outlasted the trainer's wait: join afresh
+        if joined is None:
+            joined = await self._join(admin, version)
+        if isinstance(joined, str):
+            return await self._fallback(admin, version, joined)
+        await self._transfer(admin, joined)
+
+    @staticmethod
+    async def _trainer_gave_up(joined: "_Joined") -> bool:
+        try:
+            return bool(await asyncio.to_thread(joined.store.check, [proto.key_status(joined.rid, "sent")]))
+        except (RuntimeError, OSError):  # the trainer's store is gone: the transfer fails and says so
+            return False
+
+    async def _join(self, admin: "VLLMAdmin", version: int) -> "_Joined | str":
+        """Request the push, have the engine join the group, wait for the trainer's check. Returns what the
+        transfer needs, or why ``version`` is to be loaded from the storage copy instead.
+
+        Raises:
+            EngineError: the engine is not healthy, did not join, or the trainer refused its model.
+        """
         endpoint = self._endpoint()
         if endpoint is None:
-            return await self._fallback(admin, version, "no trainer push service has announced itself")
+            return "no trainer push service has announced itself"
         host, port = endpoint
         try:
             store = await asyncio.to_thread(_store_client, host, port, CONNECT_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001
-            return await self._fallback(admin, version, f"trainer push service {host}:{port} unreachable ({err})")
+            return f"trainer push service {host}:{port} unreachable ({err})"
         if not await admin.health():  # a dead engine fails here, before the trainer waits for it to join
             raise EngineError(admin.base_url, f"not healthy (GET /health): version {version} not pushed")
         workers = self._workers.get(admin.base_url) or await admin.worker_count()
@@ -322,11 +407,21 @@ class PushTransport(FilesystemTransport):
             await asyncio.to_thread(store.set, proto.key_request(rid), request.to_json())
             accepted = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "accepted"), ACCEPT_TIMEOUT_S)
         except (RuntimeError, OSError, ValueError) as err:  # the trainer went away: nothing started on the engine
-            return await self._fallback(admin, version, f"trainer push service {host}:{port} stopped answering ({err})")
+            return f"trainer push service {host}:{port} stopped answering ({err})"
         if accepted is None or not accepted["ok"]:
-            why = "no answer" if accepted is None else accepted["error"]
-            return await self._fallback(admin, version, f"trainer push service: {why}")
-        await self._push(admin, store, rid, request, host, port, accepted)
+            return "trainer push service: " + ("no answer" if accepted is None else accepted["error"])
+        url, limit = admin.base_url, request.timeout_s + 30.0
+        await self._before_init(admin, store, request)
+        await admin.init_weight_transfer_engine(self._init_info(request, host, port, accepted), timeout_s=limit)
+        try:
+            checked = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "checked"), limit)
+        except (RuntimeError, OSError, ValueError) as err:
+            raise EngineError(url, f"weight push of version {request.version}: the trainer's push service stopped "
+                                   f"answering before any tensor was sent ({err})") from err
+        if checked is None or not checked["ok"]:
+            raise EngineError(url, "weight push refused before any tensor was sent: "
+                                   + ("the trainer did not answer" if checked is None else checked["error"]))
+        return _Joined(store, rid, request, proto.update_info(checked["names"], checked["dtype_names"], checked["shapes"]))
 
     async def _receive(self, admin: "VLLMAdmin", store: Any, rid: int, request: proto.PushRequest,
                        info: dict[str, Any], limit: float) -> dict[str, Any] | None:
@@ -387,20 +482,20 @@ class PushTransport(FilesystemTransport):
         """Called after ``/finish_weight_update``. gloo keeps the group until the next init replaces it
         (gloo_engine drops the old one first): no shutdown call, one RPC less per update."""
 
-    async def _push(self, admin: "VLLMAdmin", store: Any, rid: int, request: proto.PushRequest,
-                    host: str, port: int, accepted: dict[str, Any]) -> None:
+    async def _transfer(self, admin: "VLLMAdmin", joined: "_Joined") -> None:
+        """The second half of the push, on the paused engine: tell the trainer to send, start the engine's
+        layerwise reload, receive every bucket, finish.
+
+        Raises:
+            EngineError: the trainer or the engine failed; the message names the engine.
+        """
+        store, rid, request, info = joined.store, joined.rid, joined.request, joined.info
         url, limit = admin.base_url, request.timeout_s + 30.0
-        await self._before_init(admin, store, request)
-        await admin.init_weight_transfer_engine(self._init_info(request, host, port, accepted), timeout_s=limit)
         try:
-            checked = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "checked"), limit)
-        except (RuntimeError, OSError, ValueError) as err:
+            await asyncio.to_thread(store.set, proto.key_go(rid), json.dumps({"ok": True}))
+        except (RuntimeError, OSError) as err:
             raise EngineError(url, f"weight push of version {request.version}: the trainer's push service stopped "
                                    f"answering before any tensor was sent ({err})") from err
-        if checked is None or not checked["ok"]:
-            raise EngineError(url, "weight push refused before any tensor was sent: "
-                                   + ("the trainer did not answer" if checked is None else checked["error"]))
-        info = proto.update_info(checked["names"], checked["dtype_names"], checked["shapes"])
         await admin.start_weight_update()
         try:
             sent = await self._receive(admin, store, rid, request, info, limit)

@@ -36,6 +36,13 @@ def key_status(rid: int, phase: str) -> str:
     return f"{KEY_PREFIX}status/{rid}/{phase}"
 
 
+def key_go(rid: int) -> str:
+    """The orchestrator's word to the trainer once request ``rid``'s engine is paused and about to receive
+    (JSON ``{ok: true}``), or that it gave the push up before any tensor was sent (``{ok: false, why}``):
+    the trainer checks before it sends, then waits for this."""
+    return f"{KEY_PREFIX}go/{rid}"
+
+
 def group_prefix(group: str) -> str:
     """The PrefixStore prefix of one group's gloo rendezvous and of its ``expected/<rank>`` keys."""
     return f"{KEY_PREFIX}group/{group}/"
@@ -155,29 +162,62 @@ def manifest_of(state: Mapping[str, Any]) -> tuple[list[str], list[str], list[li
 
 
 # --- gloo send / receive of buckets (torch imported lazily: the pure part above needs none) -----------------
-def broadcast_buckets(group: Any, tensors: Sequence[Any], bucket_bytes: int, on_bucket: Any = None) -> int:
+def pack_buckets(tensors: Sequence[Any], bucket_bytes: int) -> tuple[list[Any], list[Any]]:
+    """``tensors`` (CPU) copied once into the ``uint8`` buckets :func:`broadcast_buckets` sends for
+    ``bucket_bytes`` (:func:`plan_buckets`); returns ``(buckets, views)``: the buckets, and each tensor as a
+    view of its bytes in them (its dtype and shape; a copy of its own where its offset in the bucket is not a
+    multiple of its item size). The trainer packs when it offers a version, outside any update."""
+    import torch
+
+    flat = [t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors]
+    buckets, views = [], []
+    for start, end in plan_buckets([f.numel() for f in flat], bucket_bytes):
+        bucket = torch.empty(sum(f.numel() for f in flat[start:end]), dtype=torch.uint8)
+        offset = 0
+        for i in range(start, end):
+            part = bucket[offset:offset + flat[i].numel()]
+            part.copy_(flat[i])
+            offset += flat[i].numel()
+            tensor = tensors[i]
+            if part.storage_offset() % tensor.element_size():
+                views.append(tensor.detach().clone())
+            else:
+                views.append(part.view(tensor.dtype).view(tensor.shape))
+        buckets.append(bucket)
+    return buckets, views
+
+
+def broadcast_buckets(group: Any, tensors: Sequence[Any], bucket_bytes: int, on_bucket: Any = None,
+                      packed: Sequence[Any] | None = None) -> int:
     """Rank 0: broadcast ``tensors`` (CPU, in manifest order) packed into buckets over the gloo ``group``.
 
-    Two buckets are in flight at a time (vLLM's ``packed_num_buffers`` 2): the next bucket is packed while
-    the previous one is sent. ``on_bucket(index, count)`` is called once bucket ``index`` went out (tests use
-    it). Returns the bucket count. Raises whatever gloo raises (peer gone, timeout).
+    ``packed``: the buckets already made by :func:`pack_buckets` for the same tensors and ``bucket_bytes``
+    (sent as they are); without it each bucket is packed here, the next one while the previous is sent.
+    Two buckets are in flight at a time (vLLM's ``packed_num_buffers`` 2). ``on_bucket(index, count)`` is
+    called once bucket ``index`` went out (tests use it). Returns the bucket count. Raises whatever gloo
+    raises (peer gone, timeout).
     """
     import torch
     import torch.distributed as dist
 
     flat = [t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors]
     buckets = plan_buckets([f.numel() for f in flat], bucket_bytes)
+    if packed is not None and len(packed) != len(buckets):
+        raise ValueError(f"{len(packed)} packed buckets given, the plan for {bucket_bytes} bytes has {len(buckets)}")
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    in_flight: tuple[int, Any, Any] | None = None  # (index, work, packed): the packed bytes stay referenced
+    in_flight: tuple[int, Any, Any] | None = None  # (index, work, bucket): the bucket's bytes stay referenced
     for index, (start, end) in enumerate(buckets):
-        packed = flat[start] if end - start == 1 else torch.cat(flat[start:end])
-        work = group.broadcast([packed], opts)
+        if packed is not None:
+            bucket = packed[index]
+        else:
+            bucket = flat[start] if end - start == 1 else torch.cat(flat[start:end])
+        work = group.broadcast([bucket], opts)
         if in_flight is not None:
             in_flight[1].wait()
             if on_bucket is not None:
                 on_bucket(in_flight[0], len(buckets))
-        in_flight = (index, work, packed)
+        in_flight = (index, work, bucket)
     if in_flight is not None:
         in_flight[1].wait()
         if on_bucket is not None:
@@ -186,12 +226,23 @@ def broadcast_buckets(group: Any, tensors: Sequence[Any], bucket_bytes: int, on_
 
 
 def receive_buckets(group: Any, names: Sequence[str], dtypes: Sequence[Any], shapes: Sequence[Sequence[int]],
-                    bucket_bytes: int, load: Any) -> int:
+                    bucket_bytes: int, load: Any, timings: dict[str, float] | None = None) -> int:
     """An engine rank: receive the buckets :func:`broadcast_buckets` sends and pass each one's tensors, as
     ``[(name, tensor)]`` views of the bucket, to ``load`` (``model.load_weights``); the next bucket is
-    already being received while one is loaded. Returns the bucket count."""
+    already being received while one is loaded. Returns the bucket count.
+
+    ``timings`` (optional) accumulates seconds: ``"wait"`` blocked on a bucket's arrival (the receive not
+    hidden behind a load), ``"load"`` inside ``load``, ``"bytes"`` the bytes received.
+    """
+    import time
+
     import torch
     import torch.distributed as dist
+
+    if timings is None:
+        timings = {}
+    for key in ("wait", "load", "bytes"):
+        timings.setdefault(key, 0.0)
 
     sizes = [tensor_bytes(shape, dtype.itemsize) for shape, dtype in zip(shapes, dtypes)]
     buckets = plan_buckets(sizes, bucket_bytes)
@@ -207,14 +258,19 @@ def receive_buckets(group: Any, names: Sequence[str], dtypes: Sequence[Any], sha
     for index, (start, end) in enumerate(buckets):
         assert following is not None
         packed, work = following
+        waited = time.perf_counter()
         work.wait()
+        timings["wait"] += time.perf_counter() - waited
+        timings["bytes"] += packed.numel()
         following = post(index + 1) if index + 1 < len(buckets) else None
         weights = []
         for i, part in zip(range(start, end), packed.split(sizes[start:end])):
             if part.storage_offset() % dtypes[i].itemsize:  # after a tensor of a smaller dtype: realign
                 part = part.clone()
             weights.append((names[i], part.view(dtypes[i]).view(list(shapes[i]))))
+        loading = time.perf_counter()
         load(weights)
+        timings["load"] += time.perf_counter() - loading
     return len(buckets)
 
 

@@ -53,6 +53,15 @@ class WeightTransport(abc.ABC):
             ValueError: this transport has nothing to load for ``version``.
         """
 
+    async def prepare(self, admin: "VLLMAdmin", version: int) -> None:
+        """Do now what ``load_into(admin, version)`` needs that touches none of the engine's weights, so that
+        it overlaps the pause (the update sequence runs it alongside ``POST /pause``); ``load_into`` then
+        finishes it. Never raises: what fails here is raised by ``load_into``. Default: nothing to prepare."""
+
+    async def release(self, admin: "VLLMAdmin", version: int) -> None:
+        """Drop what :meth:`prepare` started for ``(admin, version)`` and ``load_into`` did not take (the
+        update ended before the load: pause failed, cancelled). Never raises. Default: nothing held."""
+
     # --- inference side ---------------------------------------------------------------------------------
     def startup_weights(self) -> tuple[int, Path] | None:
         """What a starting engine serves: ``(version, directory)`` of the newest published version that it

@@ -1,6 +1,7 @@
 """The weight update every engine goes through, whatever the transport (docs/runtime-contract.md):
 
-``POST /pause?mode=keep&clear_cache=false`` -> the transport's load (``WeightTransport.load_into``) ->
+``POST /pause?mode=keep&clear_cache=false`` (alongside it ``WeightTransport.prepare``: what the load needs that
+touches no weight) -> the transport's load (``WeightTransport.load_into``) ->
 ``POST /update_weight_version`` (what ``GET /weight_info`` then reports) -> ``POST /reset_prefix_cache`` ->
 ``POST /resume`` -> ``GET /weight_info`` must name the new version.
 
@@ -135,6 +136,9 @@ async def update_engine(admin: VLLMAdmin, version: int, transport: WeightTranspo
     failure: EngineError | None = None
     reset = False
     url = admin.base_url
+    # What the load needs that touches no weight (a push: the trainer's accept, the engine's join of the
+    # group, the trainer's check) runs alongside the pause; load_into takes it over.
+    preparing = asyncio.ensure_future(transport.prepare(admin, version))
     try:
         if order is not None:
             await order.before_pause(url)
@@ -144,6 +148,7 @@ async def update_engine(admin: VLLMAdmin, version: int, transport: WeightTranspo
             if order is not None:
                 order.paused(url)
         try:
+            await preparing
             await transport.load_into(admin, version)
         except (EngineError, ValueError) as err:
             not_restored = await _restore(admin, transport, previous)
@@ -166,6 +171,11 @@ async def update_engine(admin: VLLMAdmin, version: int, transport: WeightTranspo
         with contextlib.suppress(Exception):
             await admin.resume()
         raise
+    finally:
+        if not preparing.done():
+            preparing.cancel()
+        await asyncio.wait({preparing})  # raises nothing of the task's (prepare never raises; or cancelled)
+        await transport.release(admin, version)  # a no-op once load_into took the prepared load
     try:
         if order is not None:
             await order.before_resume(url)
