@@ -113,9 +113,12 @@ def allowed_cpus() -> set[int]:
         except OSError:
             continue
         cpus: set[int] = set()
-        for part in filter(None, text.split(",")):
-            first, _, last = part.partition("-")
-            cpus.update(range(int(first), int(last or first) + 1))
+        try:
+            for part in filter(None, text.split(",")):
+                first, _, last = part.partition("-")
+                cpus.update(range(int(first), int(last or first) + 1))
+        except ValueError:  # not the cpuset list format: let the kernel intersect the mask with the cpuset
+            continue
         if cpus:
             return cpus
     return set(range(os.cpu_count() or 1))

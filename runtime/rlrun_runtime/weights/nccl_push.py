@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-KEY_JOINING = "joining"      # under group_prefix: the orchestrator is about to tell the engine to join
+KEY_JOINING = proto.KEY_JOINING  # under group_prefix: the orchestrator is about to tell the engine to join
 NUM_BUFFERS = 2              # buckets in flight (vLLM's DEFAULT_PACKED_NUM_BUFFERS); both sides must agree
 FAILURES_BEFORE_STORAGE = 3  # failed pushes in a row after which an engine loads from the storage copy
 
@@ -90,15 +90,11 @@ class NcclPushService(PushService):
         return {"nccl_unique_id_b64": base64.b64encode(raw).decode("ascii")}
 
     def _open_group(self, store: Any, request: proto.PushRequest, fields: dict[str, Any]) -> Any:
-        """Once the orchestrator says the engine is joining, join the communicator as rank 0 (vLLM's
-        ``PyNcclCommunicator.from_unique_id_bytes``, whose one-element all-reduce the engine's side matches).
-        Raises TimeoutError after ``request.timeout_s`` at either wait."""
+        """Join the communicator as rank 0 (vLLM's ``PyNcclCommunicator.from_unique_id_bytes``, whose
+        one-element all-reduce the engine's side matches); called once the orchestrator said the engine is
+        joining (``PushService._handle``). Raises TimeoutError after ``request.timeout_s``."""
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 
-        from rlrun_runtime.weights.push import _wait_key
-
-        if not _wait_key(store, proto.group_prefix(request.group) + KEY_JOINING, request.timeout_s):
-            raise TimeoutError("the orchestrator never started the engine's join")
         raw = self._unique_ids.pop(request.group)
         return _bounded(lambda: PyNcclCommunicator.from_unique_id_bytes(raw, 0, request.world_size, self.device),
                         request.timeout_s, f"NCCL init with {request.engine}")
@@ -163,7 +159,7 @@ class NcclPushTransport(PushTransport):
         for rank in range(1, request.world_size):
             value = json.dumps(expected[min(rank - 1, len(expected) - 1)])
             await asyncio.to_thread(store.set, prefix + proto.KEY_EXPECTED + str(rank), value)
-        await asyncio.to_thread(store.set, prefix + KEY_JOINING, "1")
+        await super()._before_init(admin, store, request)  # then: the engine is joining
 
     async def prepare(self, admin: "VLLMAdmin", version: int) -> None:
         """Nothing ahead of the pause over NCCL: whether a load pushes at all is decided in ``load_into`` (the

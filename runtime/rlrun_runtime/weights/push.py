@@ -49,6 +49,7 @@ HELD_VERSIONS = 2        # versions the trainer keeps for pushes: a push of N ma
 CLOSE_GRACE_S = 30.0     # how long an exiting trainer waits for its last version to be pushed once
 KEY_POLL_S = 0.002       # how often a waiting party looks for its key in the store (a local round trip)
 SENT_POLL_S = 0.05       # how often the orchestrator looks for the trainer's "sent" while the engine receives
+GO_POLL_S = 0.01         # how often the checked trainer looks for "go" (the whole pause: fewer store calls)
 GO_GRACE_S = 30.0        # beyond the push timeout, how long the checked trainer waits for the engine's pause
 
 
@@ -58,21 +59,37 @@ def _store_client(host: str, port: int, timeout_s: float) -> Any:
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _wait_key(store: Any, key: str, timeout_s: float) -> bool:
-    """True once ``key`` is set in ``store``, False after ``timeout_s``. Polls ``check`` every
-    ``KEY_POLL_S``: ``TCPStore.wait`` logs a c10d warning at every timeout, which a serving loop hits
-    twice a second."""
+def _wait_key(store: Any, key: str, timeout_s: float, poll_s: float = KEY_POLL_S) -> bool:
+    """True once ``key`` is set in ``store``, False after ``timeout_s``. Polls ``check`` every ``poll_s``
+    seconds: ``TCPStore.wait`` logs a c10d warning at every timeout, which a serving loop hits twice a
+    second."""
     deadline = time.monotonic() + timeout_s
     while not store.check([key]):
         if time.monotonic() >= deadline:
             return False
-        time.sleep(KEY_POLL_S)
+        time.sleep(poll_s)
     return True
 
 
-def _wait_json(store: Any, key: str, timeout_s: float) -> dict[str, Any] | None:
+def _wait_json(store: Any, key: str, timeout_s: float, poll_s: float = KEY_POLL_S) -> dict[str, Any] | None:
     """The JSON value of ``key`` once set, or None after ``timeout_s``."""
-    return json.loads(store.get(key)) if _wait_key(store, key, timeout_s) else None
+    return json.loads(store.get(key)) if _wait_key(store, key, timeout_s, poll_s) else None
+
+
+def _wait_join_start(store: Any, rid: int, request: proto.PushRequest) -> str | None:
+    """The trainer's wait, after accepting request ``rid``, for the orchestrator's word that the engine is
+    joining (``KEY_JOINING``): None once it came; why not when the orchestrator gave the push up first (its
+    update ended: ``key_go`` with ``ok`` false) or after ``request.timeout_s``. Only past this point does the
+    trainer block in the group's rendezvous, which nothing can interrupt."""
+    joining, go = proto.group_prefix(request.group) + proto.KEY_JOINING, proto.key_go(rid)
+    deadline = time.monotonic() + request.timeout_s
+    while not store.check([joining]):
+        if store.check([go]):
+            return f"the orchestrator gave it up ({json.loads(store.get(go)).get('why')})"
+        if time.monotonic() >= deadline:
+            return f"the orchestrator did not start the engine's join within {request.timeout_s:.0f} s"
+        time.sleep(KEY_POLL_S)
+    return None
 
 
 @dataclasses.dataclass
@@ -228,6 +245,13 @@ class PushService:
             return
         answer("accepted", **fields)
         try:
+            given_up = _wait_join_start(store, rid, request)
+        except Exception as err:  # noqa: BLE001 - the store failed
+            given_up = f"the store failed: {err}"
+        if given_up is not None:
+            answer("checked", f"push of version {request.version} to engine {request.engine} not started: {given_up}")
+            return
+        try:
             group = self._open_group(store, request, fields)
         except Exception as err:  # noqa: BLE001 - gloo/NCCL/store errors are RuntimeErrors of several kinds
             answer("checked", f"engine {request.engine} did not join the weight-transfer group within "
@@ -245,7 +269,7 @@ class PushService:
             answer("checked", **proto.update_info(held.names, held.dtypes, held.shapes))
             # The check overlaps the engine's pause; the engine receives only once the orchestrator says go.
             try:
-                go = _wait_json(store, proto.key_go(rid), request.timeout_s + GO_GRACE_S)
+                go = _wait_json(store, proto.key_go(rid), request.timeout_s + GO_GRACE_S, GO_POLL_S)
             except Exception as err:  # noqa: BLE001 - the store failed: nothing was sent
                 go = {"ok": False, "why": f"the store failed: {err}"}
             if go is None or not go.get("ok"):
@@ -289,6 +313,7 @@ class PushTransport(FilesystemTransport):
         self.service: PushService | None = None
         self._workers: dict[str, int] = {}  # engine URL -> its worker count
         self._prepared: dict[tuple[str, int], tuple[str, Any]] = {}  # (engine URL, version) -> prepare's outcome
+        self._posted: dict[tuple[str, int], tuple[Any, int]] = {}  # a join under way: its store and request id
         self.fallbacks = 0  # loads that went through the storage copy instead of a push
 
     # --- trainer side ----------------------------------------------------------------------------------
@@ -340,20 +365,29 @@ class PushTransport(FilesystemTransport):
         ``load_into`` (or :meth:`release`)."""
         key = (admin.base_url, version)
         try:
-            self._prepared[key] = ("joined", await self._join(admin, version))
+            joined = await self._join(admin, version)
         except asyncio.CancelledError:
-            raise
+            raise  # release() tells the trainer, from what _join posted
         except Exception as err:  # noqa: BLE001 - raised by load_into, after the pause
             self._prepared[key] = ("error", err)
+        else:
+            self._prepared[key] = ("fallback", joined) if isinstance(joined, str) else ("joined", joined)
 
     async def release(self, admin: "VLLMAdmin", version: int) -> None:
-        """Tell the trainer that a prepared push of ``version`` to this engine will not happen (best effort:
-        the trainer's own wait for it is bounded)."""
-        kind, joined = self._prepared.pop((admin.base_url, version), (None, None))
-        if kind == "joined" and isinstance(joined, _Joined):
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(joined.store.set, proto.key_go(joined.rid),
-                                        json.dumps({"ok": False, "why": "the update ended before the load"}))
+        """Tell the trainer that a prepared push of ``version`` to this engine will not happen: one joined, or
+        one whose request was posted when the update ended (pause failed fast, cancelled), so that the
+        trainer's thread ends at once instead of at its own bound. Best effort."""
+        key = (admin.base_url, version)
+        kind, joined = self._prepared.pop(key, (None, None))
+        posted = self._posted.pop(key, None)
+        target = (joined.store, joined.rid) if kind == "joined" and isinstance(joined, _Joined) else posted
+        if target is not None:
+            await self._give_up(*target, "the update ended before the load")
+
+    @staticmethod
+    async def _give_up(store: Any, rid: int, why: str) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(store.set, proto.key_go(rid), json.dumps({"ok": False, "why": why}))
 
     async def load_into(self, admin: "VLLMAdmin", version: int) -> None:
         """Receive ``version`` pushed by the trainer (module docstring); from the storage copy when the
@@ -366,8 +400,13 @@ class PushTransport(FilesystemTransport):
         kind, joined = self._prepared.pop((admin.base_url, version), (None, None))
         if kind == "error":
             raise joined
-        if kind == "joined" and isinstance(joined, _Joined) and await self._trainer_gave_up(joined):
-            joined = None  # the pause outlasted the trainer's wait: join afresh
+        if kind == "joined" and isinstance(joined, _Joined):
+            gave_up = await self._trainer_gave_up(joined)
+            if gave_up is None:  # the trainer went away after its check: nothing reached the engine's weights
+                return await self._fallback(admin, version, "the trainer's push service stopped answering "
+                                                            "before the load began")
+            if gave_up:
+                joined = None  # the pause outlasted the trainer's wait: join afresh
         if joined is None:
             joined = await self._join(admin, version)
         if isinstance(joined, str):
@@ -375,11 +414,13 @@ class PushTransport(FilesystemTransport):
         await self._transfer(admin, joined)
 
     @staticmethod
-    async def _trainer_gave_up(joined: "_Joined") -> bool:
+    async def _trainer_gave_up(joined: "_Joined") -> bool | None:
+        """True when the trainer already ended this push (its wait for ``go`` ran out); None when its store
+        does not answer."""
         try:
             return bool(await asyncio.to_thread(joined.store.check, [proto.key_status(joined.rid, "sent")]))
-        except (RuntimeError, OSError):  # the trainer's store is gone: the transfer fails and says so
-            return False
+        except (RuntimeError, OSError):
+            return None
 
     async def _join(self, admin: "VLLMAdmin", version: int) -> "_Joined | str":
         """Request the push, have the engine join the group, wait for the trainer's check. Returns what the
@@ -402,12 +443,23 @@ class PushTransport(FilesystemTransport):
         self._workers[admin.base_url] = workers  # fixed by the spec (TP x DP) for the server's life
         request = proto.PushRequest(group=uuid.uuid4().hex, version=version, engine=admin.base_url,
                                     world_size=1 + workers, timeout_s=self.timeout_s, bucket_bytes=self.bucket_bytes)
+        key = (admin.base_url, version)
         try:
             rid = await asyncio.to_thread(store.add, proto.KEY_REQUEST_COUNT, 1)
+            self._posted[key] = (store, rid)  # from here on, an update that ends early tells the trainer (release)
             await asyncio.to_thread(store.set, proto.key_request(rid), request.to_json())
             accepted = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "accepted"), ACCEPT_TIMEOUT_S)
         except (RuntimeError, OSError, ValueError) as err:  # the trainer went away: nothing started on the engine
+            self._posted.pop(key, None)
             return f"trainer push service {host}:{port} stopped answering ({err})"
+        try:
+            return await self._join_accepted(admin, store, rid, request, host, port, accepted)
+        finally:
+            if not asyncio.current_task().cancelling():  # a cancelled join leaves its entry to release()
+                self._posted.pop(key, None)
+
+    async def _join_accepted(self, admin: "VLLMAdmin", store: Any, rid: int, request: proto.PushRequest,
+                             host: str, port: int, accepted: dict[str, Any] | None) -> "_Joined | str":
         if accepted is None or not accepted["ok"]:
             return "trainer push service: " + ("no answer" if accepted is None else accepted["error"])
         url, limit = admin.base_url, request.timeout_s + 30.0
@@ -475,8 +527,9 @@ class PushTransport(FilesystemTransport):
                 "packed": True, "packed_buffer_size_bytes": request.bucket_bytes}
 
     async def _before_init(self, admin: "VLLMAdmin", store: Any, request: proto.PushRequest) -> None:
-        """Called right before the engine is told to join (gloo: nothing; the engine posts what its model
-        expects into the store itself)."""
+        """Called right before the engine is told to join: say so to the trainer (``KEY_JOINING``), which only
+        then starts waiting for the group (gloo: the engine posts what its model expects itself)."""
+        await asyncio.to_thread(store.set, proto.group_prefix(request.group) + proto.KEY_JOINING, "1")
 
     async def _after_finish(self, admin: "VLLMAdmin") -> None:
         """Called after ``/finish_weight_update``. gloo keeps the group until the next init replaces it

@@ -49,6 +49,7 @@ def group_prefix(group: str) -> str:
 
 
 KEY_EXPECTED = "expected/"  # + engine rank, under group_prefix: JSON {"dtype", "shapes": {name: shape} | null}
+KEY_JOINING = "joining"     # under group_prefix: the orchestrator is about to tell the engine to join
 
 # Defaults of the wire params (the trainer's request carries them; the engine never guesses).
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024  # 256 MiB per bucket (vLLM's NCCL default is 1 GiB, sized for GPUs)

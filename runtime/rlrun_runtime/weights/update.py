@@ -31,6 +31,9 @@ thread), so the prefill pause returns and decode then has no KV load pending. Pa
 prefill pause wait for KV the paused decode engine would never read until vLLM's 30 s ``kv_lease_duration``
 expired (measured on CPU, benchmarks/README.md, the P/D CI test). New requests are held by the
 orchestrator while an update is in flight, so nothing new reaches prefill between the two pauses.
+``WeightTransport.prepare`` of a decode engine starts only once that engine may pause (after every prefill
+pause): the push's join is an engine utility call, during which the engine core runs no step and so would
+start none of decode's pending KV loads.
 """
 
 from __future__ import annotations
@@ -136,12 +139,15 @@ async def update_engine(admin: VLLMAdmin, version: int, transport: WeightTranspo
     failure: EngineError | None = None
     reset = False
     url = admin.base_url
-    # What the load needs that touches no weight (a push: the trainer's accept, the engine's join of the
-    # group, the trainer's check) runs alongside the pause; load_into takes it over.
-    preparing = asyncio.ensure_future(transport.prepare(admin, version))
+    preparing: asyncio.Future[None] | None = None
     try:
         if order is not None:
             await order.before_pause(url)
+        # What the load needs that touches no weight (a push: the trainer's accept, the engine's join of the
+        # group, the trainer's check) runs alongside the pause; load_into takes it over. Only after the P/D
+        # gate: the join is a utility call that stops the engine core's loop while it runs, and a decode
+        # server must go on starting its pending KV loads until every prefill server is paused.
+        preparing = asyncio.ensure_future(transport.prepare(admin, version))
         try:
             await admin.pause("keep")
         finally:
@@ -172,9 +178,10 @@ async def update_engine(admin: VLLMAdmin, version: int, transport: WeightTranspo
             await admin.resume()
         raise
     finally:
-        if not preparing.done():
-            preparing.cancel()
-        await asyncio.wait({preparing})  # raises nothing of the task's (prepare never raises; or cancelled)
+        if preparing is not None:
+            if not preparing.done():
+                preparing.cancel()
+            await asyncio.wait({preparing})  # raises nothing of the task's (prepare never raises; or cancelled)
         await transport.release(admin, version)  # a no-op once load_into took the prepared load
     try:
         if order is not None:
