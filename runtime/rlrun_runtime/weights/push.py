@@ -49,7 +49,8 @@ HELD_VERSIONS = 2        # versions the trainer keeps for pushes: a push of N ma
 CLOSE_GRACE_S = 30.0     # how long an exiting trainer waits for its last version to be pushed once
 KEY_POLL_S = 0.002       # how often a waiting party looks for its key in the store (a local round trip)
 SENT_POLL_S = 0.05       # how often the orchestrator looks for the trainer's "sent" while the engine receives
-GO_POLL_S = 0.01         # how often the checked trainer looks for "go" (the whole pause: fewer store calls)
+GO_FAST_S = 1.0          # the checked trainer looks for "go" every KEY_POLL_S for this long (a pause's usual
+GO_POLL_S = 0.02         # length: "go" is seen within 2 ms), then every GO_POLL_S (fewer store calls in a long one)
 GO_GRACE_S = 30.0        # beyond the push timeout, how long the checked trainer waits for the engine's pause
 
 
@@ -269,7 +270,8 @@ class PushService:
             answer("checked", **proto.update_info(held.names, held.dtypes, held.shapes))
             # The check overlaps the engine's pause; the engine receives only once the orchestrator says go.
             try:
-                go = _wait_json(store, proto.key_go(rid), request.timeout_s + GO_GRACE_S, GO_POLL_S)
+                go = (_wait_json(store, proto.key_go(rid), GO_FAST_S)
+                      or _wait_json(store, proto.key_go(rid), request.timeout_s + GO_GRACE_S - GO_FAST_S, GO_POLL_S))
             except Exception as err:  # noqa: BLE001 - the store failed: nothing was sent
                 go = {"ok": False, "why": f"the store failed: {err}"}
             if go is None or not go.get("ok"):
