@@ -130,6 +130,16 @@ def _publish(tmp_path, transport: PushTransport, version: int) -> dict[str, torc
     return state
 
 
+def _update_expecting_a_failed_pause(engine: _Engine, transport: PushTransport) -> None:
+    """Run the update sequence on ``engine``; it must end with the stand-in's pause failure."""
+    try:
+        asyncio.run(update_engine(engine, 1, transport, previous=None))
+    except EngineError as err:
+        assert "pause failed" in str(err)
+    else:
+        raise AssertionError("the failed pause was not reported")
+
+
 def test_the_engine_joins_while_it_pauses_and_receives_once_paused(tmp_path, monkeypatch):
     transport = _transport(tmp_path, monkeypatch)
     try:
@@ -159,12 +169,7 @@ def test_a_failed_pause_gives_the_prepared_push_up_and_the_trainer_sends_nothing
         _publish(tmp_path, transport, 1)
         engine = _Engine(pause_fails=True)
         began = time.monotonic()
-        try:
-            asyncio.run(update_engine(engine, 1, transport, previous=None))
-        except EngineError as err:
-            assert "pause failed" in str(err)
-        else:
-            raise AssertionError("the failed pause was not reported")
+        _update_expecting_a_failed_pause(engine, transport)
         assert "start" not in engine.names() and "update" not in engine.names() and engine.names()[-1] == "resume"
         record = next(iter(transport.service.records.values()))
         # told, the trainer ends the push at once (its own bound would be the push timeout + 30 s)
@@ -182,12 +187,7 @@ def test_a_pause_that_fails_while_the_join_is_under_way_still_frees_the_trainer_
         _publish(tmp_path, transport, 1)
         # the pause fails as soon as the trainer has the request: the update ends with the join unfinished
         engine = _Engine(fail_when=lambda: bool(transport.service.records))
-        try:
-            asyncio.run(update_engine(engine, 1, transport, previous=None))
-        except EngineError as err:
-            assert "pause failed" in str(err)
-        else:
-            raise AssertionError("the failed pause was not reported")
+        _update_expecting_a_failed_pause(engine, transport)
         assert "start" not in engine.names() and engine.names()[-1] == "resume"
         record = next(iter(transport.service.records.values()))
         # its own bound would be the push timeout (10 s) + 30 s
