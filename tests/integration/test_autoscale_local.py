@@ -159,6 +159,10 @@ def test_a_decode_server_joins_at_the_current_version_and_leaves_through_the_rou
         assert weight_version(new.url) == 1  # it serves the current version ...
         notes = " | ".join(scaler.notes)
         assert notes.index(f"{decode1.name} loaded version 1") < notes.index(f"router {scaler.router.name} routes")
+        # ... and was given to a router only after one KV hand-off from prefill was read over NIXL (a pair's first
+        # NIXL connection can take minutes on CPU: kv_handoff's docstring)
+        assert notes.index(f"{decode1.name}: KV hand-off read over NIXL") < notes.index(
+            f"router {scaler.router.name} routes")
         router1 = router_url(scaler.router)  # ... and was given to a router only after it loaded it
         assert scaler.router.name == f"{router0.name}-g1" and router1 != router_url(router0)
         listed = set(_get_json(f"{router1}/list_workers")["urls"])
@@ -169,7 +173,9 @@ def test_a_decode_server_joins_at_the_current_version_and_leaves_through_the_rou
 
         before, transfers_before = _successes(new.url), _nixl(new.url)
         for i in range(6):  # round robin over two decode servers
+            t0 = time.monotonic()
             assert _complete(router1, f"prompt number {i}")["choices"][0]["text"] is not None
+            print(f"completion {i}: {time.monotonic() - t0:.2f} s", flush=True)
         used = _successes(new.url) - before
         assert used > 0, "the router never used the new decode server"
         # Its KV came from prefill over NIXL: it started from the initial model like prefill (the inference role,

@@ -16,7 +16,11 @@ A server that joins (scale-up), in order:
    (``weights.update.update_engines``; a new vLLM server reports ``default`` until it is named);
 3. it is added to the servers file: from now on the orchestrator's weight loop keeps it current and its
    watchdog probes it;
-4. once it reports the version the serving servers report, a new router is started with the servers
+4. once it reports the version the serving servers report, one KV hand-off is sent straight from each
+   serving prefill server to it (a decode server that joins) or from it to each serving decode server (a
+   prefill server), in the background (:mod:`rlrun_runtime.kv_handoff`: a pair's first NIXL connection can
+   take minutes on CPU); it must be read over NIXL, else it is sent again;
+5. then a new router is started with the servers
    that serve plus this one (vllm-router 0.1.17 cannot add a server to a running P/D router), the servers
    file names the new router once it is healthy and lists every server, and the old router is stopped
    (SIGTERM: it finishes the requests it has in flight). Only then does it get traffic.
@@ -51,6 +55,7 @@ from .membership import get_server_set, write_server_set
 from .processes import Supervisor
 from .scaling import (DRAINING, JOINING, SERVING, STARTING, LocalServer, ScalablePlan, describe_pools,
                       get_observations, get_router_spec, ordinal_of, plan_local_scale, router_url, server_url)
+from ..kv_handoff import HANDOFF_TIMEOUT_S, Handoff, HandoffError, send_handoff
 from ..storage import append_jsonl
 
 log = logging.getLogger("rlrun.local.scaler")
@@ -118,6 +123,20 @@ def weight_version(url: str) -> int | None:
         return None
 
 
+def _in_background(fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+    """``fn()`` in a daemon thread (a hand-off still waiting never holds up ``rlrun local``'s exit), as a future."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as err:  # delivered to whoever reads the future
+            future.set_exception(err)
+
+    threading.Thread(target=run, name="kv-handoff", daemon=True).start()
+    return future
+
+
 class LocalScaler:
     """Applies the autoscaler's decisions to a local run (the module docstring gives the sequences).
 
@@ -160,6 +179,7 @@ class LocalScaler:
         self._signalled: dict[str, float] = {}  # draining server -> when it got SIGTERM (monotonic)
         self._drain_since: dict[str, float] = {}  # draining server -> when it left the router (monotonic)
         self._incarnations: dict[str, int] = {}
+        self._handoffs: dict[str, concurrent.futures.Future[list[Handoff]]] = {}  # joining server -> its check
         self._lock = threading.Lock()
 
     # --- the loop ---------------------------------------------------------------------------------
@@ -279,12 +299,47 @@ class LocalScaler:
         version = self.current_version()
         if version is None or weight_version(server.url) != version:
             return  # an update is on its way to it (it is in the servers file now)
+        if not self._kv_path_ready(server):
+            return
         serving = [s for s in self.servers.values() if s.phase == SERVING] + [server]
         if not self._route(serving):
             return
         self._set(dataclasses.replace(server, phase=SERVING))
         self._started_at.pop(server.name, None)
         self._note(f"{server.name} serves version {version} and is routed to")
+
+    def _kv_path_ready(self, server: LocalServer) -> bool:
+        """True once one KV hand-off between ``server`` and every serving server of the other pool was read
+        over NIXL. The hand-offs run in a background thread (the first one can take minutes): the first call
+        starts them, later calls look at the outcome; a failed check is started again on the next call."""
+        other = autoscale.DECODE if server.pool == autoscale.PREFILL else autoscale.PREFILL
+        peers = sorted((s for s in self.servers.values() if s.pool == other and s.phase == SERVING),
+                       key=lambda s: s.ordinal)
+        pairs = [(server.url, p.url) if server.pool == autoscale.PREFILL else (p.url, server.url) for p in peers]
+        if not pairs:
+            return True
+        check = self._handoffs.get(server.name)
+        if check is None:
+            self._handoffs[server.name] = _in_background(
+                lambda: [send_handoff(prefill, decode, HANDOFF_TIMEOUT_S) for prefill, decode in pairs])
+            self._note(f"{server.name}: sending a KV hand-off {'to' if other == autoscale.DECODE else 'from'} "
+                       f"{len(pairs)} {other} server(s)")
+            return False
+        if not check.done():
+            return False
+        del self._handoffs[server.name]
+        try:
+            handoffs = check.result()
+        except HandoffError as err:
+            self._note(f"{server.name}: KV hand-off failed ({err}); sending it again")
+            return False
+        unread = [h for h in handoffs if not h.ok]
+        if unread:
+            self._note(f"{server.name}: KV hand-off not read over NIXL ({unread[0].transfers:.0f} transfers, "
+                       f"{unread[0].failed:.0f} failed); sending it again")
+            return False
+        self._note(f"{server.name}: KV hand-off read over NIXL in {max(h.seconds for h in handoffs):.1f} s")
+        return True
 
     def _route(self, serving: list[LocalServer]) -> bool:
         """Replace the router by one that routes to ``serving``; True once the servers file names it."""
@@ -327,6 +382,7 @@ class LocalScaler:
     # --- leaving ----------------------------------------------------------------------------------
     def _stop_server(self, name: str) -> None:
         server = self.servers[name]
+        self._handoffs.pop(name, None)  # a check still running ends on its own (its outcome is not read)
         if server.phase == SERVING and self.router is not None:
             status, body = _post(f"{router_url(self.router)}/remove_worker?"
                                  f"{urllib.parse.urlencode({'url': server.url})}")

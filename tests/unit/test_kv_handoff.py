@@ -1,0 +1,90 @@
+"""The KV hand-off check (runtime/rlrun_runtime/kv_handoff.py): its request bodies, its verdict, and its errors
+against a real HTTP server that answers like a server without a KV connector."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from typing import Any, Iterator
+
+import pytest
+
+from rlrun_api import constants as c
+from rlrun_runtime.kv_handoff import (Handoff, HandoffError, get_decode_body, get_handoff_pairs, get_prefill_body,
+                                      send_handoff)
+
+
+def test_the_prefill_request_keeps_its_kv_for_a_remote_decode() -> None:
+    body = get_prefill_body("salt-1")
+    assert body["kv_transfer_params"]["do_remote_decode"] is True
+    assert body["kv_transfer_params"]["do_remote_prefill"] is False
+    assert (body["max_tokens"], body["cache_salt"], body["model"]) == (1, "salt-1", c.SERVED_MODEL_NAME)
+
+
+def test_the_decode_request_carries_what_prefill_answered_with_the_same_prompt_and_salt() -> None:
+    params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [[1]],
+              "remote_host": "127.0.0.1", "remote_port": 5600}
+    prefill, decode = get_prefill_body("s"), get_decode_body("s", params)
+    assert decode["kv_transfer_params"] == params
+    assert (decode["prompt"], decode["cache_salt"]) == (prefill["prompt"], prefill["cache_salt"])
+
+
+@pytest.mark.parametrize(("transfers", "failed", "ok"), [
+    (1, 0, True), (2, 0, True),
+    (0, 0, False),  # decode recomputed the prompt (a refused or failed read is recomputed, not counted)
+    (1, 1, False),
+])
+def test_a_handoff_counts_only_when_decode_read_the_kv_over_nixl(transfers: float, failed: float, ok: bool) -> None:
+    assert Handoff("p", "d", 0.5, transfers, failed).ok is ok
+
+
+class _NoConnector(http.server.BaseHTTPRequestHandler):
+    """Answers like a vLLM server without a KV connector: completions carry no kv_transfer_params."""
+
+    def do_GET(self) -> None:  # /metrics, with no NIXL samples
+        self._answer(200, b"# HELP vllm:num_requests_waiting x\n# TYPE vllm:num_requests_waiting gauge\n"
+                          b"vllm:num_requests_waiting 0.0\n", "text/plain")
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._answer(200, json.dumps({"choices": [{"text": "x"}]}).encode(), "application/json")
+
+    def _answer(self, status: int, body: bytes, kind: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def no_connector() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoConnector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_prefill_server_without_a_kv_connector_is_named(no_connector: str) -> None:
+    with pytest.raises(HandoffError, match="without kv_transfer_params"):
+        send_handoff(no_connector, no_connector, timeout_s=10)
+
+
+def test_a_server_that_does_not_answer_is_an_error_not_a_hang(no_connector: str) -> None:
+    with pytest.raises(HandoffError, match="metrics"):
+        send_handoff(no_connector, "http://127.0.0.1:9", timeout_s=10)  # port 9 (discard): nothing listens
+
+
+def test_every_prefill_engine_hands_off_to_every_decode_engine() -> None:
+    engines = ["http://d1", "http://p0", "http://d0", "http://p1", "http://d0"]
+    assert get_handoff_pairs(["http://p1", "http://p0"], engines) == [
+        ("http://p0", "http://d0"), ("http://p0", "http://d1"), ("http://p1", "http://d0"), ("http://p1", "http://d1")]
+    assert get_handoff_pairs([], engines) == []
+    assert get_handoff_pairs(["http://p0"], ["http://p0"]) == []  # no decode engine yet: nothing to check
