@@ -49,7 +49,7 @@ from rlrun_api import constants
 from rlrun_api.views import OrchestratorView
 from rlrun_runtime.local.membership import ServerSet, ServersFile
 from rlrun_runtime.evaluation import EvalSettings, EvaluationSpecError, Evaluator, HeldOutTasks
-from rlrun_runtime.kv_handoff import HANDOFF_TIMEOUT_S, HandoffError, get_handoff_pairs, send_handoff
+from rlrun_runtime.kv_handoff import HANDOFF_TIMEOUT_S, get_handoff_pairs, send_handoff
 from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics, count_new_waits, parse_trainer_waits
 from rlrun_runtime.role import (RoleConfigError, env_bind_host, env_list, env_port, env_required, load_spec,
                                 print_role_error, role_main)
@@ -874,31 +874,39 @@ class Orchestrator:
         last = json.loads(self.storage.rollout_batch(steps[-1]).read_text(encoding="utf-8")) if steps else None
         return state, last
 
-    async def check_kv_handoffs(self) -> None:
-        """Under prefill/decode disaggregation, before the first batch: one KV hand-off from every prefill engine
-        to every decode engine, sent straight to them (:func:`rlrun_runtime.kv_handoff.send_handoff`, all pairs
-        at once). A pair's first NIXL connection can outlast the prefill's KV lease on CPU (the module's
-        docstring); without this the first rollouts wait for it and may read KV blocks already freed. A
-        hand-off that fails is logged and the run goes on: decode recomputes what it cannot read."""
+    async def check_kv_handoffs(self, engines: Sequence[str]) -> None:
+        """Under prefill/decode disaggregation, before the weight loop and the first batch: one KV hand-off from
+        every prefill engine to every decode engine among ``engines`` (the healthy engines' base URLs),
+        sent straight to them (:func:`rlrun_runtime.kv_handoff.send_handoff`). A pair's first NIXL connection
+        can outlast the prefill's KV lease on CPU (benchmarks/README.md); without this the first rollouts
+        wait for it and may read KV blocks already freed. Decode engines are checked at once, the prefill
+        engines of one decode engine one after another (its counters then count one hand-off). Takes at most
+        2 x ``kv_handoff.HANDOFF_TIMEOUT_S`` per prefill engine. A hand-off that fails is logged and the run
+        goes on: decode recomputes what it cannot read. Raises nothing."""
         try:
-            prefill = resolve_engines(self.prefill_endpoints)
-            engines = resolve_engines(self.endpoints)
+            prefill = set(resolve_engines(self.prefill_endpoints)) & set(engines)
         except (OSError, ValueError) as err:
             log.warning("KV hand-off check skipped: %s", err)
             return
-        pairs = get_handoff_pairs(prefill, engines)
-        outcomes = await asyncio.gather(*(asyncio.to_thread(send_handoff, p, d, HANDOFF_TIMEOUT_S) for p, d in pairs),
-                                        return_exceptions=True)
-        for (p, d), outcome in zip(pairs, outcomes):
-            if isinstance(outcome, HandoffError):
-                log.warning("KV hand-off %s -> %s failed: %s", p, d, outcome)
-            elif isinstance(outcome, BaseException):
-                raise outcome
-            elif not outcome.ok:
-                log.warning("KV hand-off %s -> %s not read over NIXL (%.0f transfers, %.0f failed) in %.1f s",
-                            p, d, outcome.transfers, outcome.failed, outcome.seconds)
-            else:
-                log.info("KV hand-off %s -> %s read over NIXL in %.1f s", p, d, outcome.seconds)
+        pairs = get_handoff_pairs(sorted(prefill), engines)
+        by_decode: dict[str, list[str]] = {}
+        for p, d in pairs:
+            by_decode.setdefault(d, []).append(p)
+
+        def check(decode: str, producers: list[str]) -> None:
+            for p in producers:
+                try:
+                    outcome = send_handoff(p, decode, HANDOFF_TIMEOUT_S)
+                except Exception as err:  # HandoffError, or anything else: logged, the run goes on
+                    log.warning("KV hand-off %s -> %s failed: %s", p, decode, err)
+                    continue
+                if outcome.ok:
+                    log.info("KV hand-off %s -> %s read over NIXL in %.1f s", p, decode, outcome.seconds)
+                else:
+                    log.warning("KV hand-off %s -> %s not read over NIXL (%.0f transfers, %.0f failed) in %.1f s",
+                                p, decode, outcome.transfers, outcome.failed, outcome.seconds)
+
+        await asyncio.gather(*(asyncio.to_thread(check, d, ps) for d, ps in by_decode.items()))
 
     def load_resume_point(self) -> tuple[int, int]:
         """(next step, prompt cursor) from storage: see :func:`get_resume_point`."""
@@ -911,7 +919,9 @@ class Orchestrator:
     async def run(self) -> int:
         """Run until version maxSteps is loaded on every engine; returns the exit code (0)."""
         try:
-            await self.wait_healthy(router=False)
+            healthy = await self.wait_healthy(router=False)
+            if self.prefill_endpoints:
+                await self.check_kv_handoffs(healthy)  # before the weight loop: no update pauses them meanwhile
             next_step, cursor = self.load_resume_point()
             log.info("starting at batch %d, prompt cursor %d (maxSteps %d, maxAsyncLevel %d, maxOffPolicySteps %d)",
                      next_step, cursor, self.view.max_steps, self.view.max_async_level,
@@ -926,8 +936,6 @@ class Orchestrator:
             try:
                 if self.router_url:
                     await _first(self.wait_healthy(), weights)  # a failing weight loop ends the wait
-                if self.prefill_endpoints:
-                    await _first(self.check_kv_handoffs(), weights)
                 batches = asyncio.create_task(self.batch_loop(next_step, cursor, self.load_empty_batch_streak()),
                                               name="batches")
                 evaluation = self.evaluator.start() if self.evaluator else None  # spec.evaluation

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import threading
+import time
 from typing import Any, Iterator
 
 import pytest
@@ -15,8 +17,19 @@ from rlrun_runtime.kv_handoff import (Handoff, HandoffError, get_decode_body, ge
                                       send_handoff)
 
 
+def _as_vllm_parses_it(body: dict[str, Any]) -> Any:
+    """The body through vLLM 0.32's own request model (a renamed or misspelt field fails here)."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    request = CompletionRequest.model_validate(body)
+    assert not (set(body) - set(CompletionRequest.model_fields)), "fields vLLM would ignore"
+    return request
+
+
 def test_the_prefill_request_keeps_its_kv_for_a_remote_decode() -> None:
     body = get_prefill_body("salt-1")
+    request = _as_vllm_parses_it(body)
+    assert request.kv_transfer_params["do_remote_decode"] is True and request.max_tokens == 1
     assert body["kv_transfer_params"]["do_remote_decode"] is True
     assert body["kv_transfer_params"]["do_remote_prefill"] is False
     assert (body["max_tokens"], body["cache_salt"], body["model"]) == (1, "salt-1", c.SERVED_MODEL_NAME)
@@ -26,14 +39,16 @@ def test_the_decode_request_carries_what_prefill_answered_with_the_same_prompt_a
     params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [[1]],
               "remote_host": "127.0.0.1", "remote_port": 5600}
     prefill, decode = get_prefill_body("s"), get_decode_body("s", params)
+    assert _as_vllm_parses_it(decode).kv_transfer_params == params
     assert decode["kv_transfer_params"] == params
     assert (decode["prompt"], decode["cache_salt"]) == (prefill["prompt"], prefill["cache_salt"])
 
 
 @pytest.mark.parametrize(("transfers", "failed", "ok"), [
     (1, 0, True), (2, 0, True),
-    (0, 0, False),  # decode recomputed the prompt (a refused or failed read is recomputed, not counted)
-    (1, 1, False),
+    (0, 0, False),  # decode recomputed the prompt (a refused read is recomputed, not counted)
+    (0, 1, False),  # the read failed: recomputed
+    (1, 1, True),   # read, while another request's read failed on the same (serving) decode server
 ])
 def test_a_handoff_counts_only_when_decode_read_the_kv_over_nixl(transfers: float, failed: float, ok: bool) -> None:
     assert Handoff("p", "d", 0.5, transfers, failed).ok is ok
@@ -77,9 +92,33 @@ def test_a_prefill_server_without_a_kv_connector_is_named(no_connector: str) -> 
         send_handoff(no_connector, no_connector, timeout_s=10)
 
 
-def test_a_server_that_does_not_answer_is_an_error_not_a_hang(no_connector: str) -> None:
-    with pytest.raises(HandoffError, match="metrics"):
-        send_handoff(no_connector, "http://127.0.0.1:9", timeout_s=10)  # port 9 (discard): nothing listens
+class _Silent(_NoConnector):
+    """Accepts completions and never answers them (a prefill server stuck behind a pause)."""
+
+    def do_POST(self) -> None:
+        time.sleep(3)
+
+
+def test_a_server_that_does_not_answer_is_an_error_after_the_timeout_not_a_hang() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Silent)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    started = time.monotonic()
+    try:
+        with pytest.raises(HandoffError, match="timed out"):
+            send_handoff(url, url, timeout_s=0.5)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert time.monotonic() - started < 2.5  # the request's timeout, not the server's 3 s
+
+
+def test_a_decode_server_that_refuses_connections_is_named(no_connector: str) -> None:
+    with socket.socket() as probe:  # a port nothing listens on: bound, never listening
+        probe.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
+        with pytest.raises(HandoffError, match=f"{closed}/metrics"):
+            send_handoff(no_connector, closed, timeout_s=10)
 
 
 def test_every_prefill_engine_hands_off_to_every_decode_engine() -> None:

@@ -364,3 +364,70 @@ def test_rlrun_local_refuses_autoscaling_with_the_push_transport(tmp_path, capsy
     path.write_text(yaml.safe_dump(rlrun))
     assert main([str(path), "--output-dir", str(tmp_path / "out")]) == 2
     assert "spec.weightSync.transport: 'gloo'" in capsys.readouterr().err
+
+
+# --- a joining server's KV hand-off check (runtime/rlrun_runtime/local/scaler.py) ---------------------------
+
+def test_a_joining_server_is_ready_only_once_its_kv_handoff_was_read_and_a_failure_is_sent_again(tmp_path,
+                                                                                                 monkeypatch):
+    from rlrun_runtime import kv_handoff
+    from rlrun_runtime.local import scaler as scaler_module
+
+    scalable, policy = _scalable(tmp_path)
+    local = scaler_module.LocalScaler(scalable, policy, None, lambda fn: None, lambda: 0, None,
+                                      tmp_path / "scaling.jsonl")
+    spec = scalable.pools[D][1]
+    joining = LocalServer(spec.name, D, 1, "http://127.0.0.1:1", JOINING)
+    local.servers[joining.name] = joining
+    prefill = next(s for s in local.servers.values() if s.pool == P)
+    release = threading.Event()
+    answers = iter([kv_handoff.HandoffError("POST: timed out"),
+                    kv_handoff.Handoff(prefill.url, joining.url, 1.0, 0, 1),   # decode recomputed: not read
+                    kv_handoff.Handoff(prefill.url, joining.url, 2.5, 1, 0)])
+    sent: list[tuple[str, str]] = []
+
+    def fake_send(prefill_url, decode_url, timeout_s):
+        assert 0 < timeout_s <= kv_handoff.HANDOFF_TIMEOUT_S
+        release.wait(10)
+        sent.append((prefill_url, decode_url))
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(scaler_module, "send_handoff", fake_send)
+    monkeypatch.setattr(scaler_module, "HANDOFF_RETRY_S", 0.0)
+
+    def settle():
+        release.set()
+        pending = local._handoffs.get(joining.name)
+        if pending is not None:
+            pending[1].exception(timeout=10)  # waits; the scaler reads the outcome itself
+
+    assert local._kv_path_ready(joining) is False         # started in the background ...
+    assert local._kv_path_ready(joining) is False         # ... and still running: not ready, no second check
+    settle()
+    assert local._kv_path_ready(joining) is False         # failed: noted, sent again on a later call
+    assert "KV hand-off failed (POST: timed out)" in local.notes[-1]
+    for expected in ("not read over NIXL (1 failed transfers)", "KV hand-off read over NIXL in 2.5 s"):
+        release.clear()
+        assert local._kv_path_ready(joining) is False     # the next check starts
+        settle()
+        ready = local._kv_path_ready(joining)
+        assert expected in local.notes[-1], local.notes
+    assert ready is True
+    assert sent == [(prefill.url, joining.url)] * 3       # one pair: the serving prefill server to the joining one
+
+
+def test_a_joining_server_with_no_serving_server_in_the_other_pool_has_nothing_to_check(tmp_path, monkeypatch):
+    from rlrun_runtime.local import scaler as scaler_module
+
+    scalable, policy = _scalable(tmp_path)
+    local = scaler_module.LocalScaler(scalable, policy, None, lambda fn: None, lambda: 0, None,
+                                      tmp_path / "scaling.jsonl")
+    for server in list(local.servers.values()):
+        if server.pool == P:
+            del local.servers[server.name]
+    joining = LocalServer(scalable.pools[D][1].name, D, 1, "http://127.0.0.1:1", JOINING)
+    monkeypatch.setattr(scaler_module, "send_handoff", lambda *a: pytest.fail("no pair to check"))
+    assert local._kv_path_ready(joining) is True

@@ -61,6 +61,7 @@ from ..storage import append_jsonl
 log = logging.getLogger("rlrun.local.scaler")
 T = TypeVar("T")
 
+HANDOFF_RETRY_S = 10.0        # pause before a joining server's failed KV hand-off check is sent again
 HTTP_TIMEOUT_S = 5.0          # one GET of /metrics, /health or /weight_info (a loaded CPU server answers late)
 ROUTER_START_TIMEOUT_S = 120.0  # a new router waits until every server it names answers /health
 ROUTER_DRAIN_SECONDS = float(c.INFERENCE_TERMINATION_GRACE_SECONDS)  # the old router finishes in-flight requests
@@ -179,7 +180,9 @@ class LocalScaler:
         self._signalled: dict[str, float] = {}  # draining server -> when it got SIGTERM (monotonic)
         self._drain_since: dict[str, float] = {}  # draining server -> when it left the router (monotonic)
         self._incarnations: dict[str, int] = {}
-        self._handoffs: dict[str, concurrent.futures.Future[list[Handoff]]] = {}  # joining server -> its check
+        # joining server -> (the (prefill, decode) pairs its running KV hand-off check covers, that check)
+        self._handoffs: dict[str, tuple[tuple[tuple[str, str], ...], concurrent.futures.Future[list[Handoff]]]] = {}
+        self._handoff_retry_at: dict[str, float] = {}  # joining server -> when a failed check may start again
         self._lock = threading.Lock()
 
     # --- the loop ---------------------------------------------------------------------------------
@@ -310,34 +313,47 @@ class LocalScaler:
 
     def _kv_path_ready(self, server: LocalServer) -> bool:
         """True once one KV hand-off between ``server`` and every serving server of the other pool was read
-        over NIXL. The hand-offs run in a background thread (the first one can take minutes): the first call
-        starts them, later calls look at the outcome; a failed check is started again on the next call."""
+        over NIXL. The hand-offs run in a background thread (the first one can take minutes): a call starts
+        them (not while a weight update is in flight: it would pause the servers under them), later calls
+        read the outcome; a failed check is started again ``HANDOFF_RETRY_S`` later, each request bounded by
+        what is left of the server's join time."""
         other = autoscale.DECODE if server.pool == autoscale.PREFILL else autoscale.PREFILL
         peers = sorted((s for s in self.servers.values() if s.pool == other and s.phase == SERVING),
                        key=lambda s: s.ordinal)
         pairs = [(server.url, p.url) if server.pool == autoscale.PREFILL else (p.url, server.url) for p in peers]
         if not pairs:
+            self._handoffs.pop(server.name, None)
             return True
-        check = self._handoffs.get(server.name)
-        if check is None:
-            self._handoffs[server.name] = _in_background(
-                lambda: [send_handoff(prefill, decode, HANDOFF_TIMEOUT_S) for prefill, decode in pairs])
+        pending = self._handoffs.get(server.name)
+        if pending is None:
+            if time.monotonic() < self._handoff_retry_at.get(server.name, 0.0) or self._update_in_flight():
+                return False
+            left_s = self.join_timeout_s - (time.monotonic() - self._started_at.get(server.name, time.monotonic()))
+            timeout_s = max(HTTP_TIMEOUT_S, min(HANDOFF_TIMEOUT_S, left_s / 2))  # two requests per hand-off
+            self._handoffs[server.name] = (tuple(pairs), _in_background(
+                lambda: [send_handoff(prefill, decode, timeout_s) for prefill, decode in pairs]))
             self._note(f"{server.name}: sending a KV hand-off {'to' if other == autoscale.DECODE else 'from'} "
                        f"{len(pairs)} {other} server(s)")
             return False
+        checked, check = pending
         if not check.done():
             return False
         del self._handoffs[server.name]
         try:
             handoffs = check.result()
         except HandoffError as err:
-            self._note(f"{server.name}: KV hand-off failed ({err}); sending it again")
+            self._handoff_retry_at[server.name] = time.monotonic() + HANDOFF_RETRY_S
+            self._note(f"{server.name}: KV hand-off failed ({err}); sending it again in {HANDOFF_RETRY_S:.0f} s")
             return False
         unread = [h for h in handoffs if not h.ok]
         if unread:
-            self._note(f"{server.name}: KV hand-off not read over NIXL ({unread[0].transfers:.0f} transfers, "
-                       f"{unread[0].failed:.0f} failed); sending it again")
+            self._handoff_retry_at[server.name] = time.monotonic() + HANDOFF_RETRY_S
+            self._note(f"{server.name}: KV hand-off from {unread[0].prefill} not read over NIXL "
+                       f"({unread[0].failed:.0f} failed transfers); sending it again in {HANDOFF_RETRY_S:.0f} s")
             return False
+        if not set(pairs) <= set(checked):
+            return False  # a server of the other pool began serving meanwhile: check again, with it
+        self._handoff_retry_at.pop(server.name, None)
         self._note(f"{server.name}: KV hand-off read over NIXL in {max(h.seconds for h in handoffs):.1f} s")
         return True
 
@@ -383,6 +399,7 @@ class LocalScaler:
     def _stop_server(self, name: str) -> None:
         server = self.servers[name]
         self._handoffs.pop(name, None)  # a check still running ends on its own (its outcome is not read)
+        self._handoff_retry_at.pop(name, None)
         if server.phase == SERVING and self.router is not None:
             status, body = _post(f"{router_url(self.router)}/remove_worker?"
                                  f"{urllib.parse.urlencode({'url': server.url})}")
