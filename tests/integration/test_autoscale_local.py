@@ -29,6 +29,7 @@ import pytest
 from local_runs import write_run
 from rlrun_api import constants as c
 from rlrun_api.prometheus import get_samples
+from rlrun_runtime.kv_handoff import read_nixl_counts
 from rlrun_runtime.local import get_scalable_plan, load_run
 from rlrun_runtime.local.membership import parse_server_set
 from rlrun_runtime.local.processes import Supervisor
@@ -91,14 +92,6 @@ def _ready(url: str) -> tuple[int, bool]:
             return response.status, json.loads(response.read())["ready"]
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())["ready"]
-
-
-def _nixl(url: str) -> tuple[float, float]:
-    """(KV transfers, failed KV transfers) a decode server counted (``vllm:nixl_*`` on its /metrics)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        samples = get_samples(response.read().decode())
-    return (samples.get(f"{c.VLLM_METRIC_NIXL_TRANSFER_SECONDS}_count", 0.0),
-            samples.get(f"{c.VLLM_METRIC_NIXL_FAILED_TRANSFERS}_total", 0.0))
 
 
 def test_a_decode_server_joins_at_the_current_version_and_leaves_through_the_router(tmp_path: Path) -> None:
@@ -171,7 +164,7 @@ def test_a_decode_server_joins_at_the_current_version_and_leaves_through_the_rou
         assert servers.router == router1 and len(servers.inference) == 3 and servers.prefill == (urls[0].split("//")[1],)
         _until(f"the old router {router0.name} exits", lambda: router0.name in supervisor.exits(), 120)
 
-        before, transfers_before = _successes(new.url), _nixl(new.url)
+        before, transfers_before = _successes(new.url), read_nixl_counts(new.url)
         for i in range(6):  # round robin over two decode servers
             t0 = time.monotonic()
             assert _complete(router1, f"prompt number {i}")["choices"][0]["text"] is not None
@@ -181,7 +174,7 @@ def test_a_decode_server_joins_at_the_current_version_and_leaves_through_the_rou
         # Its KV came from prefill over NIXL: it started from the initial model like prefill (the inference role,
         # get_start_weights) and then loaded version 1 in place, so the handshake's compatibility hash (which
         # covers the --model path) matches; a transfer refused would be recomputed on decode and not counted.
-        transfers, failed = _nixl(new.url)
+        transfers, failed = read_nixl_counts(new.url)
         print(f"{decode1.name}: {used:.0f} requests, {transfers - transfers_before[0]:.0f} NIXL transfers, "
               f"{failed:.0f} failed")
         assert transfers - transfers_before[0] >= used and failed == 0
