@@ -56,6 +56,18 @@ def get_handoff_pairs(prefill: Sequence[str], engines: Sequence[str]) -> list[tu
     return [(p, d) for p in producers for d in consumers]
 
 
+def get_joined_pairs(joined: str, prefill: Sequence[str], serving: Sequence[str]) -> list[tuple[str, str]]:
+    """The (prefill, decode) pairs a server that ``joined`` a running P/D run needs checked (pure): with every
+    decode server among ``serving`` when it is a prefill server (listed in ``prefill``), else with every
+    prefill server among ``serving``. ``serving``: the engines whose pairs were checked already (the joiner
+    itself, if listed, is left out). Sorted, duplicates removed."""
+    producers = set(prefill)
+    others = sorted(set(serving) - {joined})
+    if joined in producers:
+        return [(joined, d) for d in others if d not in producers]
+    return [(p, joined) for p in others if p in producers]
+
+
 def get_prefill_body(salt: str) -> dict[str, Any]:
     """The prefill request (pure): compute the prompt's KV and keep it for a remote decode, one token.
 

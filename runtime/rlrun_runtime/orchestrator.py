@@ -49,7 +49,7 @@ from rlrun_api import constants
 from rlrun_api.views import OrchestratorView
 from rlrun_runtime.local.membership import ServerSet, ServersFile
 from rlrun_runtime.evaluation import EvalSettings, EvaluationSpecError, Evaluator, HeldOutTasks
-from rlrun_runtime.kv_handoff import HANDOFF_TIMEOUT_S, get_handoff_pairs, send_handoff
+from rlrun_runtime.kv_handoff import HANDOFF_TIMEOUT_S, get_handoff_pairs, get_joined_pairs, send_handoff
 from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics, count_new_waits, parse_trainer_waits
 from rlrun_runtime.role import (RoleConfigError, env_bind_host, env_list, env_port, env_required, load_spec,
                                 print_role_error, role_main)
@@ -202,6 +202,14 @@ class Orchestrator:
         self.watchdog_poll_s = watchdog_poll_s
         self.stalled: dict[str, float] = {}       # engine -> monotonic time of its last answer (while stalled)
         self.out_of_service: set[str] = set()     # engines a failed update left paused (retried every round)
+        # Under P/D in a cluster: engines whose KV hand-offs were checked (None until the start-up check ran:
+        # then engines that appear later are joiners), joiners whose check is pending (not ready meanwhile), the
+        # running checks, and the lock that keeps a hand-off and a weight update apart (an update's pauses would
+        # wait for a hand-off's pending KV read, and a hand-off sent into paused engines would wait for them).
+        self.kv_checked: set[str] | None = None
+        self.kv_pending: set[str] = set()
+        self._kv_checks: dict[str, asyncio.Task] = {}
+        self._kv_lock = asyncio.Lock()
         self.sampling = {"temperature": view.temperature, "topP": view.top_p}
         # Choices per completions request: the whole group at once, except behind prefill/decode
         # disaggregation, where vLLM 0.32's completions handler returns only the first choice's
@@ -219,8 +227,8 @@ class Orchestrator:
         self.trainer_needs: int | None = None  # the batch the trainer waits for (known from its metrics.jsonl)
         self._round_robin = itertools.count()
         self._loaded_identity: Hashable | None = None
-        # what weights.update.write_serving_version last wrote: (version, engines left out of service)
-        self._recorded: tuple[int, tuple[str, ...]] | None = None
+        # what weights.update.write_serving_version last wrote: (version, out of service, KV-pending engines)
+        self._recorded: tuple[int, tuple[str, ...], tuple[str, ...]] | None = None
         self.not_listening: set[str] = set()        # engines left out of the last weight round (starting)
         self._client: httpx.AsyncClient | None = None
         # spec.evaluation and spec.tracking (None when off): rlrun_runtime.evaluation, rlrun_runtime.tracking.
@@ -341,6 +349,10 @@ class Orchestrator:
             log.warning("engine %s, left out of service, is no longer among the engines: forgotten", url)
         self.out_of_service &= set(engines)
         self.metrics.engines_out_of_service.set(len(self.out_of_service))
+        for url in sorted(self.kv_pending - set(engines)):  # gone before its KV check ended
+            if (task := self._kv_checks.pop(url, None)) is not None:
+                task.cancel()
+            self.kv_pending.discard(url)
         # An engine left paused by a failed update is always updated again (that is what resumes it).
         behind = [url for url, version in zip(engines, infos) if version != target or url in self.out_of_service]
         identity = self.transport.identity(target)
@@ -348,6 +360,10 @@ class Orchestrator:
             # The trainer re-published this version (it resumed from an older checkpoint): reload everywhere.
             log.info("weights %s were re-published: reloading every engine", step_name(target))
             behind = list(engines)
+        joined = self._joiners(engines, behind)
+        if joined:
+            self.kv_pending |= set(joined)
+            self._record_serving()  # before the load: loaded, they must not turn ready until checked
         if behind:
             if target == 0:
                 # Version 0 is the initial model every engine starts from: only name it.
@@ -364,8 +380,10 @@ class Orchestrator:
                     self.metrics.weight_update_in_flight.set(1)
                 prefill = resolve_engines(self.prefill_endpoints) if self.prefill_endpoints else []
                 try:
-                    updates = await update_engines(behind, target, self.transport, prefill=prefill,
-                                                   previous=self.loaded_version if self.loaded_version >= 0 else None)
+                    async with self._kv_lock:  # never beside a joiner's KV hand-off
+                        updates = await update_engines(behind, target, self.transport, prefill=prefill,
+                                                       previous=self.loaded_version if self.loaded_version >= 0
+                                                       else None)
                 except EngineError as err:
                     self._set_out_of_service(behind, err.out_of_service)
                     # the serving version stays; the readiness of an engine left paused turns it away
@@ -393,6 +411,7 @@ class Orchestrator:
             self.version_changed.set()
             self.transport.retire(target)
         self._record_serving(target)
+        self._start_kv_checks(joined)
         self.weights_stable.set()
         return True
 
@@ -431,13 +450,57 @@ class Orchestrator:
             return False
         return False
 
-    def _record_serving(self, version: int) -> None:
-        """Write the serving record (what a prefill or decode pod's readiness compares with: the version, and
-        the engines left out of service) when it changed."""
-        record = (version, tuple(sorted(self.out_of_service)))
+    def _record_serving(self, version: int | None = None) -> None:
+        """Write the serving record (what a prefill or decode pod's readiness compares with: the version, the
+        engines left out of service, the joiners whose KV hand-offs are pending) when it changed. ``version``
+        None: the one last recorded (0 before any)."""
+        if version is None:
+            version = self._recorded[0] if self._recorded else max(self.loaded_version, 0)
+        record = (version, tuple(sorted(self.out_of_service)), tuple(sorted(self.kv_pending)))
         if record != self._recorded:
-            write_serving_version(self.storage, version, self.out_of_service)
+            write_serving_version(self.storage, version, self.out_of_service, self.kv_pending)
             self._recorded = record
+
+    def _joiners(self, engines: Sequence[str], behind: Sequence[str]) -> list[str]:
+        """The engines of ``behind`` that joined after the start-up KV check (P/D in a cluster only; the local
+        scaler checks its own joiners before it routes to them), were never checked and are not being checked."""
+        if self.kv_checked is None or self._servers_file is not None or not self.prefill_endpoints:
+            return []
+        self.kv_checked &= set(engines)
+        return [url for url in behind
+                if url not in self.kv_checked and url not in self.kv_pending and url not in self.out_of_service]
+
+    def _start_kv_checks(self, joined: Sequence[str]) -> None:
+        for url in joined:
+            task = self._kv_checks.get(url)
+            if task is None or task.done():
+                self._kv_checks[url] = asyncio.create_task(self.check_joined(url), name=f"kv-check {url}")
+
+    async def check_joined(self, url: str) -> None:
+        """The first KV hand-offs of engine ``url``, which joined a running P/D run (a scale-up or a replaced
+        pod) and was just loaded with the current version: one with every checked engine of the other pool
+        (:func:`rlrun_runtime.kv_handoff.get_joined_pairs`), one at a time, each under the lock that keeps
+        hand-offs and weight updates apart. Until it ends the serving record lists ``url`` as KV-pending, so
+        its readiness keeps the router away; then it counts as checked. A failed hand-off is logged and ends
+        the wait all the same (decode recomputes what it cannot read). Each takes at most 2 x
+        ``kv_handoff.HANDOFF_TIMEOUT_S``. Raises nothing but cancellation."""
+        try:
+            prefill = resolve_engines(self.prefill_endpoints)
+        except (OSError, ValueError) as err:
+            log.warning("KV hand-off check of joined engine %s skipped: %s", url, err)
+            prefill = []
+        for p, d in get_joined_pairs(url, prefill, sorted(self.kv_checked or ())):
+            async with self._kv_lock:
+                await asyncio.to_thread(_send_handoff_logged, p, d)
+        self.kv_pending.discard(url)
+        if self.kv_checked is not None:
+            self.kv_checked.add(url)
+        self._record_serving()
+
+    async def wait_kv_checks(self) -> None:
+        """Wait for the joined engines' running KV checks (tests; the run cancels them when it ends)."""
+        while tasks := [t for t in self._kv_checks.values() if not t.done()]:
+            await asyncio.wait(tasks)
 
     def _set_out_of_service(self, updated: Sequence[str], left_paused: Sequence[str]) -> None:
         """Record which of the engines just ``updated`` a failed update left paused (``left_paused``)."""
@@ -895,18 +958,10 @@ class Orchestrator:
 
         def check(decode: str, producers: list[str]) -> None:
             for p in producers:
-                try:
-                    outcome = send_handoff(p, decode, HANDOFF_TIMEOUT_S)
-                except Exception as err:  # HandoffError, or anything else: logged, the run goes on
-                    log.warning("KV hand-off %s -> %s failed: %s", p, decode, err)
-                    continue
-                if outcome.ok:
-                    log.info("KV hand-off %s -> %s read over NIXL in %.1f s", p, decode, outcome.seconds)
-                else:
-                    log.warning("KV hand-off %s -> %s not read over NIXL (%.0f transfers, %.0f failed) in %.1f s",
-                                p, decode, outcome.transfers, outcome.failed, outcome.seconds)
+                _send_handoff_logged(p, decode)
 
         await asyncio.gather(*(asyncio.to_thread(check, d, ps) for d, ps in by_decode.items()))
+        self.kv_checked = set(engines)  # engines that appear from now on are joiners (check_joined)
 
     def load_resume_point(self) -> tuple[int, int]:
         """(next step, prompt cursor) from storage: see :func:`get_resume_point`."""
@@ -944,7 +999,7 @@ class Orchestrator:
                 if self.evaluator:
                     await self.evaluator.finish()  # the final policy's evaluation
             finally:
-                for task in (weights, batches, watchdog, trainer_wait, evaluation, tracking):
+                for task in (weights, batches, watchdog, trainer_wait, evaluation, tracking, *self._kv_checks.values()):
                     if task is None:
                         continue
                     task.cancel()
@@ -959,6 +1014,20 @@ class Orchestrator:
                 self.tracker.close()
             if self._client is not None:
                 await self._client.aclose()
+
+
+def _send_handoff_logged(prefill: str, decode: str) -> None:
+    """One KV hand-off (:func:`rlrun_runtime.kv_handoff.send_handoff`), its outcome logged; raises nothing."""
+    try:
+        outcome = send_handoff(prefill, decode, HANDOFF_TIMEOUT_S)
+    except Exception as err:  # HandoffError, or anything else: logged, the run goes on
+        log.warning("KV hand-off %s -> %s failed: %s", prefill, decode, err)
+        return
+    if outcome.ok:
+        log.info("KV hand-off %s -> %s read over NIXL in %.1f s", prefill, decode, outcome.seconds)
+    else:
+        log.warning("KV hand-off %s -> %s not read over NIXL (%.0f transfers, %.0f failed) in %.1f s",
+                    prefill, decode, outcome.transfers, outcome.failed, outcome.seconds)
 
 
 async def _first(awaitable: Any, task: asyncio.Task) -> None:

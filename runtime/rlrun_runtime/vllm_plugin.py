@@ -106,7 +106,8 @@ class ReadinessMiddleware:
     ``weights.update.get_readiness`` on the engine's own version (``EngineClient.get_weight_version``, what
     ``GET /weight_info`` reports). A dead engine (``check_health`` raises) is not ready either, nor one the
     record lists as out of service (a failed update left it paused: it would hold whatever the router sent it;
-    the orchestrator still reaches it directly and resumes it in a later round). The JSON body
+    the orchestrator still reaches it directly and resumes it in a later round), nor one that joined a P/D run
+    and whose first KV hand-offs the orchestrator has not sent yet (the record's ``kv_pending``). The JSON body
     says why: ``{"ready": bool, "reason": str}``. This is the pod's readinessProbe in a cluster, so a pod that
     joins (scale-up, restart) starts from the initial model, is updated by the orchestrator (which sees
     not-ready pods: the pools' headless Services publish them) and gets traffic from the router, which adds
@@ -159,8 +160,11 @@ class ReadinessMiddleware:
             return False, f"engine not healthy: {type(err).__name__}: {err}"
         root = os.environ.get(constants.ENV_STORAGE_DIR, "").strip()
         record = read_serving_record(RunStorage(root)) if root else None
-        left = record is not None and is_listed(self.addresses(scope), record.out_of_service)
-        return get_readiness(version, None if record is None else record.version, out_of_service=left)
+        addresses = self.addresses(scope)
+        left = record is not None and is_listed(addresses, record.out_of_service)
+        pending = record is not None and is_listed(addresses, record.kv_pending)
+        return get_readiness(version, None if record is None else record.version, out_of_service=left,
+                             kv_pending=pending)
 
     @staticmethod
     def addresses(scope: dict[str, Any]) -> list[tuple[str, int]]:

@@ -21,7 +21,7 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rlrun_api import constants as c
@@ -47,7 +47,14 @@ class StandInEngine:
         self.fail: set[str] = set()  # POST paths answered with HTTP 500
         self.on_pause: Any = None  # called at each POST /pause, its result kept in self.at_pause
         self.at_pause: list[Any] = []
+        # KV hand-offs (POST /v1/completions): a prefill request is answered with kv_transfer_params, a decode
+        # one counts a NIXL transfer (GET /metrics); a prefill answer waits while ``hold`` is clear
+        self.nixl_transfers = 0
+        self.hold = threading.Event()
+        self.hold.set()
+        self.events: list[tuple[str, str]] = []  # shared between engines by the test: (url, what), in order
         app = Starlette(routes=[Route("/health", self.health), Route("/weight_info", self.weight_info),
+                                Route("/metrics", self.metrics),
                                 Route("/{path:path}", self.post, methods=["POST"])])
         app.add_middleware(ReadinessMiddleware)
         app.state.engine_client = self
@@ -89,9 +96,28 @@ class StandInEngine:
             return JSONResponse({"error": "broken"}, status_code=500)
         return JSONResponse({"weight_version": self.version})
 
+    async def metrics(self, request: Request) -> Response:
+        return Response(f"{c.VLLM_METRIC_NIXL_TRANSFER_SECONDS}_count {self.nixl_transfers}\n", media_type="text/plain")
+
+    async def completion(self, body: dict[str, Any]) -> JSONResponse:
+        params = body.get("kv_transfer_params") or {}
+        if params.get("do_remote_decode"):  # prefill: keep the KV for decode, say where it is
+            await asyncio.to_thread(self.hold.wait, START_S)
+            self.events.append((self.url, "prefilled"))
+            return JSONResponse({"choices": [{"text": "x"}], "kv_transfer_params": {
+                "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.url,
+                "remote_block_ids": [0], "remote_host": LOOPBACK, "remote_port": self.port}})
+        if params.get("do_remote_prefill"):  # decode: read it over "NIXL"
+            self.nixl_transfers += 1
+            self.events.append((self.url, "decoded"))
+        return JSONResponse({"choices": [{"text": "y"}]})
+
     async def post(self, request: Request) -> JSONResponse:
         path = "/" + request.path_params["path"]
         self.calls.append(path)
+        self.events.append((self.url, path))
+        if path == "/v1/completions":
+            return await self.completion(json.loads(await request.body()))
         if path == "/pause" and self.on_pause is not None:
             self.at_pause.append(self.on_pause())
         body = await request.body()
@@ -175,6 +201,67 @@ def test_a_joining_decode_pod_is_loaded_before_it_is_ready(tmp_path, monkeypatch
     asyncio.run(orchestrator.sync_weights_once())
     assert {e.version for e in (prefill, decode, joined)} == {"2"} and read_serving_version(storage) == 2
     assert {e.ready() for e in (prefill, decode, joined)} == {200}
+
+
+def test_a_joined_decode_pod_is_ready_only_after_its_first_kv_handoff_which_no_update_overlaps(tmp_path, monkeypatch,
+                                                                                              engines):
+    """After the start-up check, a decode pod that joins is loaded, then listed KV-pending (503) until the
+    orchestrator's hand-off from the serving prefill server was read over "NIXL"; a weight update that comes
+    meanwhile waits for the hand-off (the lock), so no pause lands in its middle."""
+    monkeypatch.setenv(c.ENV_STORAGE_DIR, str(tmp_path))
+    storage = RunStorage(tmp_path)
+    prefill, decode = engines(), engines()
+    joining_port = free_port()
+    joining_url = f"http://{LOOPBACK}:{joining_port}"
+    addresses = [f"{LOOPBACK}:{e.port}" for e in (prefill, decode)] + [f"{LOOPBACK}:{joining_port}"]
+    orchestrator = pd_orchestrator(storage, addresses, addresses[:1])
+    events: list[tuple[str, str]] = []
+    prefill.events = decode.events = events
+
+    async def scenario() -> None:
+        await orchestrator.check_kv_handoffs([prefill.url, decode.url])  # start-up: the running pair
+        assert decode.nixl_transfers == 1 and orchestrator.kv_checked == {prefill.url, decode.url}
+        await orchestrator.sync_weights_once()  # version 0 named; the pod still starting is left out
+        publish(storage, 1)
+        await orchestrator.sync_weights_once()
+        assert prefill.version == decode.version == "1"
+
+        joined = engines(joining_port)
+        joined.events = events
+        prefill.hold.clear()  # the joiner's hand-off waits in prefill until released
+        await orchestrator.sync_weights_once()
+        assert joined.version == "1" and orchestrator.kv_pending == {joining_url}
+        assert read_serving_record(storage).kv_pending == (joining_url,)
+        response = await asyncio.to_thread(httpx.get, f"{joined.url}{c.INFERENCE_READY_PATH}", timeout=10)
+        assert response.status_code == 503 and "KV hand-off" in response.json()["reason"]
+        assert prefill.ready() == decode.ready() == 200  # the serving pods stay ready
+
+        deadline = time.monotonic() + START_S  # the hand-off reached prefill
+        while (prefill.url, "/v1/completions") not in events[-3:]:
+            assert time.monotonic() < deadline, events
+            await asyncio.sleep(0.02)
+        publish(storage, 2)
+        mark = len(events)
+        update = asyncio.create_task(orchestrator.sync_weights_once())  # must wait for the hand-off
+        deadline = time.monotonic() + START_S  # until it waits on the lock (or, wrongly, pauses an engine)
+        while not orchestrator._kv_lock._waiters and not [e for e in events[mark:] if e[1] == "/pause"]:  # noqa
+            assert time.monotonic() < deadline and not update.done(), events
+            await asyncio.sleep(0.02)
+        prefill.hold.set()
+        assert await asyncio.wait_for(update, START_S)
+        await asyncio.wait_for(orchestrator.wait_kv_checks(), START_S)
+        assert joined.nixl_transfers == 1 and orchestrator.kv_pending == set()
+        assert orchestrator.kv_checked == {prefill.url, decode.url, joined.url}
+        assert read_serving_record(storage).kv_pending == () and read_serving_version(storage) == 2
+        decoded = events.index((joined.url, "decoded"))
+        sent = max(i for i, event in enumerate(events[:decoded]) if event == (prefill.url, "/v1/completions"))
+        assert not [e for e in events[sent:decoded] if e[1] == "/pause"], events[sent:]  # no pause inside
+        assert [e for e in events[decoded:] if e[1] == "/pause"]  # the update came after it
+        assert {e.version for e in (prefill, decode, joined)} == {"2"}
+
+    asyncio.run(scenario())
+    assert {e.ready() for e in (prefill, decode)} == {200}
+    assert httpx.get(f"http://{LOOPBACK}:{joining_port}{c.INFERENCE_READY_PATH}", timeout=10).status_code == 200
 
 
 def test_an_engine_left_paused_by_a_failed_update_is_not_ready_until_a_later_round_resumes_it(tmp_path, monkeypatch,

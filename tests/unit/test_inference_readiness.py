@@ -95,6 +95,14 @@ def test_an_engine_out_of_service_is_not_ready_whatever_it_serves():
     assert get_readiness("3", 3, out_of_service=False)[0] is True
 
 
+def test_a_joined_engine_is_ready_only_at_the_current_version_and_once_its_kv_handoff_was_checked():
+    ready, reason = get_readiness("3", 3, kv_pending=True)
+    assert ready is False and "KV hand-off" in reason and "serves version 3" in reason
+    ready, reason = get_readiness("default", 3, kv_pending=True)  # not loaded yet: that is the reason given
+    assert ready is False and "waiting for the orchestrator to load it" in reason
+    assert get_readiness("3", 3, kv_pending=False)[0] is True
+
+
 @pytest.mark.parametrize("addresses,urls,listed", [
     ([("10.0.0.5", 8000)], ["http://10.0.0.5:8000"], True),
     ([("10.0.0.5", 8000)], ["http://10.0.0.5:8001", "http://10.0.0.6:8000"], False),  # another port, another pod
@@ -115,6 +123,8 @@ def test_the_record_carries_the_engines_out_of_service_and_an_older_record_has_n
     assert read_serving_record(storage) == ServingRecord(4, ())
     serving_version_file(storage).write_text('{"version": 4, "out_of_service": "x"}')
     assert read_serving_record(storage) == ServingRecord(4, ())
+    write_serving_version(storage, 5, (), ["http://10.0.0.9:8000"])  # a joiner whose KV hand-off is pending
+    assert read_serving_record(storage) == ServingRecord(5, (), ("http://10.0.0.9:8000",))
 
 
 # --- the middleware, on a stand-in of vLLM's app (state.engine_client) -----------------------------------

@@ -13,8 +13,8 @@ from typing import Any, Iterator
 import pytest
 
 from rlrun_api import constants as c
-from rlrun_runtime.kv_handoff import (Handoff, HandoffError, get_decode_body, get_handoff_pairs, get_prefill_body,
-                                      send_handoff)
+from rlrun_runtime.kv_handoff import (Handoff, HandoffError, get_decode_body, get_handoff_pairs, get_joined_pairs,
+                                      get_prefill_body, send_handoff)
 
 
 def _as_vllm_parses_it(body: dict[str, Any]) -> Any:
@@ -127,3 +127,13 @@ def test_every_prefill_engine_hands_off_to_every_decode_engine() -> None:
         ("http://p0", "http://d0"), ("http://p0", "http://d1"), ("http://p1", "http://d0"), ("http://p1", "http://d1")]
     assert get_handoff_pairs([], engines) == []
     assert get_handoff_pairs(["http://p0"], ["http://p0"]) == []  # no decode engine yet: nothing to check
+
+
+@pytest.mark.parametrize("joined, prefill, serving, pairs", [
+    ("d9", ["p0", "p1"], ["p0", "p1", "d0"], [("p0", "d9"), ("p1", "d9")]),   # a decode joiner: every prefill
+    ("p9", ["p0", "p9"], ["p0", "d0", "d1"], [("p9", "d0"), ("p9", "d1")]),   # a prefill joiner: every decode
+    ("d9", ["p0"], ["d0", "d9"], []),                                         # no serving prefill: nothing
+    ("p9", ["p9"], ["p9"], []),                                               # itself only
+])
+def test_a_joined_server_is_paired_with_the_checked_servers_of_the_other_pool(joined, prefill, serving, pairs):
+    assert get_joined_pairs(joined, prefill, serving) == pairs

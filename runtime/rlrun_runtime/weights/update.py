@@ -250,35 +250,41 @@ def serving_version_file(storage: RunStorage) -> Path:
     return storage.root / constants.SERVING_VERSION_FILE
 
 
-def write_serving_version(storage: RunStorage, version: int, out_of_service: Iterable[str] = ()) -> None:
-    """Record ``version`` as the one every engine serves, and the engines a failed update left paused:
-    ``{"version": N, "out_of_service": [base URL, ...], "time": unix seconds}``, written atomically by the
-    orchestrator after each round that changed either."""
+def write_serving_version(storage: RunStorage, version: int, out_of_service: Iterable[str] = (),
+                          kv_pending: Iterable[str] = ()) -> None:
+    """Record ``version`` as the one every engine serves, the engines a failed update left paused and the
+    joined engines whose first KV hand-offs are not done yet: ``{"version": N, "out_of_service": [base URL,
+    ...], "kv_pending": [base URL, ...], "time": unix seconds}``, written atomically by the orchestrator
+    whenever one of them changed."""
     atomic_write_json(serving_version_file(storage), {"version": int(version),
                                                       "out_of_service": sorted(set(out_of_service)),
+                                                      "kv_pending": sorted(set(kv_pending)),
                                                       "time": time.time()})
 
 
 @dataclasses.dataclass(frozen=True)
 class ServingRecord:
-    """What :func:`write_serving_version` recorded: the version and the base URLs left out of service."""
+    """What :func:`write_serving_version` recorded: the version, the base URLs left out of service and those
+    whose KV hand-offs are pending."""
 
     version: int
     out_of_service: tuple[str, ...] = ()
+    kv_pending: tuple[str, ...] = ()
 
 
 def read_serving_record(storage: RunStorage) -> ServingRecord | None:
     """The record :func:`write_serving_version` last wrote; None when there is none yet (before the
     orchestrator's first round) or it cannot be read or parsed (a reader never fails on it). A record of an
-    older orchestrator, without ``out_of_service``, has none."""
+    older orchestrator, without ``out_of_service`` or ``kv_pending``, has none."""
     try:
         data = json.loads(serving_version_file(storage).read_text(encoding="utf-8"))
-        version, left = data["version"], data.get("out_of_service", [])
+        version, left, pending = data["version"], data.get("out_of_service", []), data.get("kv_pending", [])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if not isinstance(version, int) or version < 0:
         return None
-    return ServingRecord(version, tuple(str(u) for u in left) if isinstance(left, list) else ())
+    return ServingRecord(version, tuple(str(u) for u in left) if isinstance(left, list) else (),
+                         tuple(str(u) for u in pending) if isinstance(pending, list) else ())
 
 
 def read_serving_version(storage: RunStorage) -> int | None:
@@ -303,7 +309,8 @@ def is_listed(addresses: Iterable[tuple[str, int]], urls: Iterable[str]) -> bool
     return False
 
 
-def get_readiness(weight_version: str, current: int | None, out_of_service: bool = False) -> tuple[bool, str]:
+def get_readiness(weight_version: str, current: int | None, out_of_service: bool = False,
+                  kv_pending: bool = False) -> tuple[bool, str]:
     """Whether a prefill or decode server that reports ``weight_version`` (``GET /weight_info``) may get
     traffic, and why (pure).
 
@@ -314,11 +321,14 @@ def get_readiness(weight_version: str, current: int | None, out_of_service: bool
             happened: every server serves the initial model, ready).
         out_of_service: the record lists this server (:func:`is_listed`): a failed update left it paused, so
             it would hold every request it got until the orchestrator's next round resumes it.
+        kv_pending: the record lists this server among those that joined a P/D run and whose first KV hand-off
+            with the other pool's servers is not done (``Orchestrator.check_joined``): a pair's first NIXL
+            connection can outlast prefill's KV lease on CPU, so real requests wait until it was paid.
 
     Returns:
-        (ready, reason): ready when it is not out of service and ``current`` is None or the server's version
-        is at least ``current`` (a server already moved to the next version during an update round stays
-        ready).
+        (ready, reason): ready when it is not out of service and ``current`` is None, or when the server's
+        version is at least ``current`` (a server already moved to the next version during an update round
+        stays ready) and it is not KV-pending.
     """
     if out_of_service:
         return False, ("left paused by a failed weight update: out of service until the orchestrator's next "
@@ -332,4 +342,7 @@ def get_readiness(weight_version: str, current: int | None, out_of_service: bool
         return True, f"serves version {served}; no serving version recorded yet"
     if served < current:
         return False, f"serves version {served}, the run serves {current}: waiting for the orchestrator to load it"
+    if kv_pending:
+        return False, (f"serves version {served}, joined: waiting for the orchestrator's first KV hand-off with "
+                       "the other pool's servers (a pair's first NIXL connection)")
     return True, f"serves version {served} (the run serves {current})"
