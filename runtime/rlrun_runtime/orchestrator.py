@@ -39,6 +39,7 @@ import math
 import os
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Hashable, Mapping, Sequence
@@ -61,7 +62,7 @@ from rlrun_runtime.storage import FileTail, RunStorage, append_jsonl, atomic_wri
 from rlrun_runtime.tracking import Tracker, TrackingSetupError, build_tracker
 from rlrun_runtime.vllm_admin import HEALTH_PROBE_TIMEOUT_S, EngineError, VLLMAdmin, parse_version, resolve_engines
 from rlrun_runtime.weights import get_transport
-from rlrun_runtime.weights.update import update_engines, write_serving_version
+from rlrun_runtime.weights.update import read_serving_record, update_engines, write_serving_version
 
 log = logging.getLogger("rlrun.orchestrator")
 
@@ -202,14 +203,15 @@ class Orchestrator:
         self.watchdog_poll_s = watchdog_poll_s
         self.stalled: dict[str, float] = {}       # engine -> monotonic time of its last answer (while stalled)
         self.out_of_service: set[str] = set()     # engines a failed update left paused (retried every round)
-        # Under P/D in a cluster: engines whose KV hand-offs were checked (None until the start-up check ran:
-        # then engines that appear later are joiners), joiners whose check is pending (not ready meanwhile), the
-        # running checks, and the lock that keeps a hand-off and a weight update apart (an update's pauses would
-        # wait for a hand-off's pending KV read, and a hand-off sent into paused engines would wait for them).
+        # Under P/D (unless the local scaler owns membership): engines whose KV hand-offs were checked (None until
+        # the start-up check ran: then engines that appear later are joiners), joiners whose check is pending (not
+        # ready meanwhile), the running checks, and the lock that keeps a hand-off and a weight update apart (an
+        # update's pauses would wait for a hand-off's pending KV read, and a hand-off sent into paused engines
+        # would wait for them); one lock per event loop (see _handoff_lock).
         self.kv_checked: set[str] | None = None
         self.kv_pending: set[str] = set()
         self._kv_checks: dict[str, asyncio.Task] = {}
-        self._kv_lock = asyncio.Lock()
+        self._kv_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self.sampling = {"temperature": view.temperature, "topP": view.top_p}
         # Choices per completions request: the whole group at once, except behind prefill/decode
         # disaggregation, where vLLM 0.32's completions handler returns only the first choice's
@@ -349,10 +351,9 @@ class Orchestrator:
             log.warning("engine %s, left out of service, is no longer among the engines: forgotten", url)
         self.out_of_service &= set(engines)
         self.metrics.engines_out_of_service.set(len(self.out_of_service))
-        for url in sorted(self.kv_pending - set(engines)):  # gone before its KV check ended
-            if (task := self._kv_checks.pop(url, None)) is not None:
-                task.cancel()
-            self.kv_pending.discard(url)
+        # Gone before its KV check ended: no longer pending. Its check is not cancelled (its hand-off, in a thread,
+        # would go on outside the lock); it ends within its bound and marks nothing that a later round keeps.
+        self.kv_pending &= set(engines)
         # An engine left paused by a failed update is always updated again (that is what resumes it).
         behind = [url for url, version in zip(engines, infos) if version != target or url in self.out_of_service]
         identity = self.transport.identity(target)
@@ -360,7 +361,7 @@ class Orchestrator:
             # The trainer re-published this version (it resumed from an older checkpoint): reload everywhere.
             log.info("weights %s were re-published: reloading every engine", step_name(target))
             behind = list(engines)
-        joined = self._joiners(engines, behind)
+        joined = self._joiners(engines, infos, behind)
         if joined:
             self.kv_pending |= set(joined)
             self._record_serving()  # before the load: loaded, they must not turn ready until checked
@@ -375,21 +376,23 @@ class Orchestrator:
                 # the others serve ``target`` already: generation goes on through those (the joining ones get
                 # no traffic until their readiness says they serve it), and the autoscaler sees no update.
                 serving_changes = target != self.loaded_version or len(behind) == len(engines)
+                prefill = resolve_engines(self.prefill_endpoints) if self.prefill_endpoints else []
+                # Never beside a joiner's KV hand-off: the update waits for the one in flight (at most 2 x
+                # kv_handoff.HANDOFF_TIMEOUT_S), before it closes the generation gate.
+                await self._handoff_lock().acquire()
                 if serving_changes:
                     self.weights_stable.clear()
                     self.metrics.weight_update_in_flight.set(1)
-                prefill = resolve_engines(self.prefill_endpoints) if self.prefill_endpoints else []
                 try:
-                    async with self._kv_lock:  # never beside a joiner's KV hand-off
-                        updates = await update_engines(behind, target, self.transport, prefill=prefill,
-                                                       previous=self.loaded_version if self.loaded_version >= 0
-                                                       else None)
+                    updates = await update_engines(behind, target, self.transport, prefill=prefill,
+                                                   previous=self.loaded_version if self.loaded_version >= 0 else None)
                 except EngineError as err:
                     self._set_out_of_service(behind, err.out_of_service)
                     # the serving version stays; the readiness of an engine left paused turns it away
                     self._record_serving(self._recorded[0] if self._recorded else max(self.loaded_version, 0))
                     raise
                 finally:
+                    self._handoff_lock().release()
                     if serving_changes:
                         self.metrics.weight_update_in_flight.set(0)
                         self.metrics.last_resume_time.set(time.time())
@@ -411,7 +414,7 @@ class Orchestrator:
             self.version_changed.set()
             self.transport.retire(target)
         self._record_serving(target)
-        self._start_kv_checks(joined)
+        self._start_kv_checks(sorted(self.kv_pending))  # the new joiners, and any whose check did not start or end
         self.weights_stable.set()
         return True
 
@@ -453,45 +456,79 @@ class Orchestrator:
     def _record_serving(self, version: int | None = None) -> None:
         """Write the serving record (what a prefill or decode pod's readiness compares with: the version, the
         engines left out of service, the joiners whose KV hand-offs are pending) when it changed. ``version``
-        None: the one last recorded (0 before any)."""
+        None: the one last recorded, by this process or (after a restart) the one before it, else 0.
+
+        Raises:
+            OSError: the record could not be written (the next round writes it again).
+        """
         if version is None:
-            version = self._recorded[0] if self._recorded else max(self.loaded_version, 0)
+            if self._recorded is not None:
+                version = self._recorded[0]
+            else:  # a restarted orchestrator: keep what the pods are ready against, never fall back to 0
+                previous = read_serving_record(self.storage)
+                version = previous.version if previous is not None else max(self.loaded_version, 0)
         record = (version, tuple(sorted(self.out_of_service)), tuple(sorted(self.kv_pending)))
         if record != self._recorded:
             write_serving_version(self.storage, version, self.out_of_service, self.kv_pending)
             self._recorded = record
 
-    def _joiners(self, engines: Sequence[str], behind: Sequence[str]) -> list[str]:
-        """The engines of ``behind`` that joined after the start-up KV check (P/D in a cluster only; the local
-        scaler checks its own joiners before it routes to them), were never checked and are not being checked."""
+    def _handoff_lock(self) -> asyncio.Lock:
+        """The lock that keeps KV hand-offs and weight updates apart, for the running event loop (an asyncio
+        lock, once waited on, belongs to one loop; tests drive one orchestrator from several)."""
+        loop = asyncio.get_running_loop()
+        if self._kv_lock is None or self._kv_lock[0] is not loop:
+            self._kv_lock = (loop, asyncio.Lock())
+        return self._kv_lock[1]
+
+    def _joiners(self, engines: Sequence[str], versions: Sequence[int | None], behind: Sequence[str]) -> list[str]:
+        """The engines of ``behind`` to check as joiners (P/D, once the start-up KV check ran, unless the local
+        scaler owns membership: it checks its own joiners before it routes to them): those never checked, and
+        those checked before that serve the initial model again after the run served a later version (a
+        container restarted at the same address). Not those already pending or left out of service.
+        ``versions``: the engines' reported versions, in the order of ``engines``."""
         if self.kv_checked is None or self._servers_file is not None or not self.prefill_endpoints:
             return []
         self.kv_checked &= set(engines)
+        if self.loaded_version > 0:
+            self.kv_checked -= {url for url, v in zip(engines, versions) if v is None or v == 0}
         return [url for url in behind
                 if url not in self.kv_checked and url not in self.kv_pending and url not in self.out_of_service]
 
-    def _start_kv_checks(self, joined: Sequence[str]) -> None:
-        for url in joined:
-            task = self._kv_checks.get(url)
-            if task is None or task.done():
+    def _start_kv_checks(self, pending: Sequence[str]) -> None:
+        """Start :meth:`check_joined` for each of ``pending`` that has no check running."""
+        self._kv_checks = {url: task for url, task in self._kv_checks.items() if not task.done()}
+        for url in pending:
+            if url not in self._kv_checks:
                 self._kv_checks[url] = asyncio.create_task(self.check_joined(url), name=f"kv-check {url}")
 
     async def check_joined(self, url: str) -> None:
         """The first KV hand-offs of engine ``url``, which joined a running P/D run (a scale-up or a replaced
-        pod) and was just loaded with the current version: one with every checked engine of the other pool
-        (:func:`rlrun_runtime.kv_handoff.get_joined_pairs`), one at a time, each under the lock that keeps
-        hand-offs and weight updates apart. Until it ends the serving record lists ``url`` as KV-pending, so
-        its readiness keeps the router away; then it counts as checked. A failed hand-off is logged and ends
-        the wait all the same (decode recomputes what it cannot read). Each takes at most 2 x
-        ``kv_handoff.HANDOFF_TIMEOUT_S``. Raises nothing but cancellation."""
+        pod) and was just loaded with the current version: one with every checked, in-service engine of the
+        other pool (:func:`rlrun_runtime.kv_handoff.get_joined_pairs`), one at a time, each under the lock that
+        keeps hand-offs and weight updates apart; the pairs are worked out again before each one, so a joiner
+        whose check ended meanwhile is paired too. Until it ends the serving record lists ``url`` as
+        KV-pending, so its readiness keeps the router away; then it counts as checked. A failed hand-off is
+        logged and ends the wait all the same (decode recomputes what it cannot read). Each hand-off takes at
+        most 2 x ``kv_handoff.HANDOFF_TIMEOUT_S`` (a weight update waits for the one in flight); it runs in a
+        daemon thread, so a run that ends does not wait for it.
+
+        Raises:
+            OSError: the serving record could not be written (the next round writes it again).
+        """
         try:
-            prefill = resolve_engines(self.prefill_endpoints)
+            prefill = await asyncio.to_thread(resolve_engines, self.prefill_endpoints)
         except (OSError, ValueError) as err:
             log.warning("KV hand-off check of joined engine %s skipped: %s", url, err)
             prefill = []
-        for p, d in get_joined_pairs(url, prefill, sorted(self.kv_checked or ())):
-            async with self._kv_lock:
-                await asyncio.to_thread(_send_handoff_logged, p, d)
+        done: set[tuple[str, str]] = set()
+        while True:
+            async with self._handoff_lock():
+                serving = sorted((self.kv_checked or set()) - self.out_of_service)
+                pairs = [pair for pair in get_joined_pairs(url, prefill, serving) if pair not in done]
+                if not pairs:
+                    break
+                await _in_daemon_thread(_send_handoff_logged, *pairs[0])
+                done.add(pairs[0])
         self.kv_pending.discard(url)
         if self.kv_checked is not None:
             self.kv_checked.add(url)
@@ -1014,6 +1051,28 @@ class Orchestrator:
                 self.tracker.close()
             if self._client is not None:
                 await self._client.aclose()
+
+
+async def _in_daemon_thread(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a daemon thread (unlike ``asyncio.to_thread``, a loop that ends does not wait for it);
+    its result or error comes back to the awaiting task. Cancelling the await leaves the thread running."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(error: BaseException | None, value: Any) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(value)
+
+    def run() -> None:
+        try:
+            value, error = fn(*args), None
+        except BaseException as err:  # noqa: BLE001 - handed to the awaiting task
+            value, error = None, err
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, error, value)
+
+    threading.Thread(target=run, name=f"rlrun-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return await future
 
 
 def _send_handoff_logged(prefill: str, decode: str) -> None:

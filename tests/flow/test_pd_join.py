@@ -30,7 +30,8 @@ from rlrun_api.views import OrchestratorView
 from rlrun_runtime.storage import RunStorage, atomic_directory
 from rlrun_runtime.vllm_admin import EngineError
 from rlrun_runtime.vllm_plugin import ReadinessMiddleware
-from rlrun_runtime.weights.update import read_serving_record, read_serving_version
+from rlrun_runtime.weights.update import (ServingRecord, read_serving_record, read_serving_version,
+                                          write_serving_version)
 from vllm_role import LOOPBACK, free_port, tiny_rlrun
 
 START_S = 30.0  # a stand-in engine's start, on a loaded machine
@@ -229,6 +230,7 @@ def test_a_joined_decode_pod_is_ready_only_after_its_first_kv_handoff_which_no_u
         joined = engines(joining_port)
         joined.events = events
         prefill.hold.clear()  # the joiner's hand-off waits in prefill until released
+        joining = len(events)
         await orchestrator.sync_weights_once()
         assert joined.version == "1" and orchestrator.kv_pending == {joining_url}
         assert read_serving_record(storage).kv_pending == (joining_url,)
@@ -237,16 +239,18 @@ def test_a_joined_decode_pod_is_ready_only_after_its_first_kv_handoff_which_no_u
         assert prefill.ready() == decode.ready() == 200  # the serving pods stay ready
 
         deadline = time.monotonic() + START_S  # the hand-off reached prefill
-        while (prefill.url, "/v1/completions") not in events[-3:]:
+        while (prefill.url, "/v1/completions") not in events[joining:]:
             assert time.monotonic() < deadline, events
             await asyncio.sleep(0.02)
         publish(storage, 2)
         mark = len(events)
         update = asyncio.create_task(orchestrator.sync_weights_once())  # must wait for the hand-off
         deadline = time.monotonic() + START_S  # until it waits on the lock (or, wrongly, pauses an engine)
-        while not orchestrator._kv_lock._waiters and not [e for e in events[mark:] if e[1] == "/pause"]:  # noqa
+        lock = orchestrator._handoff_lock()  # noqa: SLF001 - what the update must wait on
+        while not lock._waiters and not [e for e in events[mark:] if e[1] == "/pause"]:  # noqa: SLF001
             assert time.monotonic() < deadline and not update.done(), events
             await asyncio.sleep(0.02)
+        assert lock._waiters and not update.done()  # noqa: SLF001 - held back by the hand-off in flight
         prefill.hold.set()
         assert await asyncio.wait_for(update, START_S)
         await asyncio.wait_for(orchestrator.wait_kv_checks(), START_S)
@@ -262,6 +266,79 @@ def test_a_joined_decode_pod_is_ready_only_after_its_first_kv_handoff_which_no_u
     asyncio.run(scenario())
     assert {e.ready() for e in (prefill, decode)} == {200}
     assert httpx.get(f"http://{LOOPBACK}:{joining_port}{c.INFERENCE_READY_PATH}", timeout=10).status_code == 200
+
+
+def test_a_joiner_whose_first_load_fails_is_checked_once_a_later_round_loads_it(tmp_path, monkeypatch, engines):
+    """The joiner is KV-pending from before its load; its first load fails (and its restore: it is left out of
+    service), a later round loads it, and its KV check still happens then: it does not stay pending forever."""
+    monkeypatch.setenv(c.ENV_STORAGE_DIR, str(tmp_path))
+    storage = RunStorage(tmp_path)
+    prefill, decode = engines(), engines()
+    joining_port = free_port()
+    addresses = [f"{LOOPBACK}:{e.port}" for e in (prefill, decode)] + [f"{LOOPBACK}:{joining_port}"]
+    orchestrator = pd_orchestrator(storage, addresses, addresses[:1])
+
+    async def scenario() -> None:
+        await orchestrator.check_kv_handoffs([prefill.url, decode.url])
+        await orchestrator.sync_weights_once()
+        publish(storage, 1)
+        await orchestrator.sync_weights_once()
+        joined = engines(joining_port)
+        joined.fail = {"/collective_rpc"}  # its load (and the restore) fail
+        with pytest.raises(EngineError):
+            await orchestrator.sync_weights_once()
+        assert orchestrator.kv_pending == {joined.url} and joined.nixl_transfers == 0
+        assert read_serving_record(storage).kv_pending == (joined.url,)
+        joined.fail = set()
+        assert await orchestrator.sync_weights_once()
+        await asyncio.wait_for(orchestrator.wait_kv_checks(), START_S)
+        assert joined.version == "1" and joined.nixl_transfers == 1 and orchestrator.kv_pending == set()
+        assert read_serving_record(storage) == ServingRecord(1, (), ())
+
+    asyncio.run(scenario())
+    assert httpx.get(f"http://{LOOPBACK}:{joining_port}{c.INFERENCE_READY_PATH}", timeout=10).status_code == 200
+
+
+def test_a_restarted_orchestrator_keeps_the_recorded_version_while_it_loads_a_joiner(tmp_path, monkeypatch, engines):
+    """A new orchestrator process (no record of its own yet) marks a joiner KV-pending before loading it: the
+    record it writes then keeps the version the pods are ready against, never 0 (a pod serving the initial
+    model would pass as ready)."""
+    monkeypatch.setenv(c.ENV_STORAGE_DIR, str(tmp_path))
+    storage = RunStorage(tmp_path)
+    prefill, decode = engines(version="1"), engines(version="1")
+    publish(storage, 1)
+    write_serving_version(storage, 1)  # the previous orchestrator's record
+    joining_port = free_port()
+    addresses = [f"{LOOPBACK}:{e.port}" for e in (prefill, decode)] + [f"{LOOPBACK}:{joining_port}"]
+    orchestrator = pd_orchestrator(storage, addresses, addresses[:1])
+    joined = engines(joining_port)
+    seen: list[Any] = []
+    joined.on_pause = lambda: read_serving_record(storage)  # the record while the joiner loads
+
+    async def scenario() -> None:
+        await orchestrator.check_kv_handoffs([prefill.url, decode.url])
+        assert await orchestrator.sync_weights_once()
+        await asyncio.wait_for(orchestrator.wait_kv_checks(), START_S)
+
+    asyncio.run(scenario())
+    seen = joined.at_pause
+    assert seen == [ServingRecord(1, (), (joined.url,))]
+    assert joined.version == "1" and joined.nixl_transfers == 1 and read_serving_record(storage) == ServingRecord(1)
+
+
+def test_which_engines_count_as_joiners(tmp_path):
+    """Never checked: a joiner; checked and serving the initial model again after the run served a later
+    version (a container restarted at the same address): a joiner again; pending or out of service: not."""
+    p, d, j, r, x = (f"http://{LOOPBACK}:{port}" for port in (1, 2, 3, 4, 5))
+    orchestrator = pd_orchestrator(RunStorage(tmp_path), [f"{LOOPBACK}:1"], [f"{LOOPBACK}:1"])
+    assert orchestrator._joiners([p, d, j], [1, 1, None], [j]) == []  # noqa: SLF001 - before the start-up check
+    orchestrator.kv_checked, orchestrator.loaded_version = {p, d, r, x}, 3
+    orchestrator.kv_pending, orchestrator.out_of_service = set(), {x}
+    engines_, versions = [p, d, j, r, x], [3, 3, None, None, 2]
+    assert orchestrator._joiners(engines_, versions, [j, r, x]) == [j, r]  # noqa: SLF001
+    assert orchestrator.kv_checked == {p, d, x}
+    orchestrator.kv_pending = {j}
+    assert orchestrator._joiners(engines_, versions, [j, r]) == [r]  # noqa: SLF001
 
 
 def test_an_engine_left_paused_by_a_failed_update_is_not_ready_until_a_later_round_resumes_it(tmp_path, monkeypatch,
