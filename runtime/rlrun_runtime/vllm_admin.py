@@ -170,9 +170,14 @@ class VLLMAdmin:
         await self._call("POST", "/update_weights", json={"update_info": update_info}, timeout=timeout_s,
                          retries=0)
 
-    async def finish_weight_update(self) -> None:
-        """``POST /finish_weight_update`` (the version is named by the update sequence, not here)."""
-        await self._call("POST", "/finish_weight_update", retries=0)
+    async def finish_weight_update(self, version: int | str | None = None) -> None:
+        """``POST /finish_weight_update``; with ``version``, vLLM also sets the version ``GET /weight_info``
+        reports, in the same call and only once the workers' finish succeeded (``AsyncLLM.finish_weight_update``:
+        the workers' finish, then ``update_weight_version``), which saves the update sequence its own
+        ``/update_weight_version`` call. Without ``version`` it only ends the workers' session (the push's
+        clean-up of a session that loaded nothing)."""
+        body = None if version is None else {"weight_version": str(version)}
+        await self._call("POST", "/finish_weight_update", json=body, retries=0)
 
     async def shutdown_weight_transfer_engine(self) -> None:
         """``POST /shutdown_weight_transfer_engine``: drop the workers' group."""

@@ -15,7 +15,7 @@ import pytest
 
 from rlrun_api import constants
 from rlrun_runtime.storage import RunStorage
-from rlrun_runtime.vllm_admin import EngineError
+from rlrun_runtime.vllm_admin import EngineError, VLLMAdmin
 from rlrun_runtime.weights.push import PushTransport
 from rlrun_runtime.weights.update import update_engines
 from local_runs import read_jsonl, run_local, write_run
@@ -102,6 +102,53 @@ def test_pushed_weights_serve_like_a_fresh_server_from_the_same_checkpoint(setup
         fresh = greedy(fresh_url)
     assert pushed[0] == fresh[0]
     assert max(abs(a - b) for a, b in zip(pushed[1], fresh[1])) <= 1e-5
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_the_session_opened_beside_the_pause_touches_no_weight_and_a_failed_pause_ends_it(setup, monkeypatch):
+    """rlrun's gloo engine starts the layerwise reload in ``update_weights``, so ``/start_weight_update`` (sent
+    beside the pause, while the engine may still be serving) touches no weight: the serving server's greedy
+    tokens and logprobs are the same inside an open session. A pause that fails after the prepared push opened
+    a session ends it (the engine prints it finished a session without an update), and the next update's start
+    is not refused: version 2 is pushed and served."""
+    url, storage, transport = setup["url"], setup["storage"], setup["transport"]
+    log = setup["root"] / "vllm.log"
+    served = greedy(url)
+    ended = log.read_text(errors="replace").count("session ended without an update")
+
+    async def inside_a_session() -> tuple[list[int], list[float]]:
+        async with VLLMAdmin(url) as admin:
+            await admin.start_weight_update()
+            try:
+                return await asyncio.to_thread(greedy, url)
+            finally:
+                await admin.finish_weight_update()
+
+    during = asyncio.run(inside_a_session())
+    assert during[0] == served[0] and max(abs(a - b) for a, b in zip(during[1], served[1])) <= 1e-6
+
+    transport.publish(perturbed_state(storage / "model", seed=5), 2, setup["template"])
+
+    async def failing_pause(self, mode="keep", clear_cache=False):
+        await asyncio.sleep(2.0)  # the prepared push joins and starts its session meanwhile (tens of ms)
+        raise EngineError(self.base_url, "pause failed (test)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(VLLMAdmin, "pause", failing_pause)
+        with pytest.raises(EngineError, match="pause failed"):
+            asyncio.run(update_engines([url], 2, transport, previous=1))
+    assert not transport._sessions
+    after = greedy(url)
+    assert after[0] == served[0] and max(abs(a - b) for a, b in zip(after[1], served[1])) <= 1e-6
+    deadline = time.monotonic() + 10
+    while log.read_text(errors="replace").count("session ended without an update") < ended + 2:
+        assert time.monotonic() < deadline, "the engine did not finish the two unused sessions"
+        time.sleep(0.2)
+
+    updates = asyncio.run(update_engines([url], 2, transport, previous=1))
+    assert [u.reported_version for u in updates] == [2] and transport.fallbacks == 0
+    assert greedy(url)[0] != served[0]
 
 
 @pytest.mark.vllm
@@ -211,15 +258,15 @@ def test_a_server_killed_during_the_push_is_named_and_the_wait_is_bounded(setup)
             proc.wait(timeout=30)
 
     transport.service.on_bucket = kill_after_first
-    transport.publish(perturbed_state(storage / "model", seed=2), 2, setup["template"])
+    transport.publish(perturbed_state(storage / "model", seed=2), 3, setup["template"])
     start = time.monotonic()
     with pytest.raises(EngineError) as failure:
-        asyncio.run(update_engines([url], 2, transport, previous=1, timeout_s=5.0, retries=0))
+        asyncio.run(update_engines([url], 3, transport, previous=2, timeout_s=5.0, retries=0))
     elapsed = time.monotonic() - start
     assert url in str(failure.value) and url in failure.value.out_of_service
-    record = next(r for r in transport.service.records.values() if r.request.version == 2)
+    record = next(r for r in transport.service.records.values() if r.request.version == 3)
     assert record.finished.wait(30)
-    assert record.error is not None and url in record.error and "version 2" in record.error
+    assert record.error is not None and url in record.error and "version 3" in record.error
     assert record.seconds < 20.0 + 5.0  # bounded by the push's timeout
     assert elapsed < 120.0
     assert group_gone(proc.pid, 30.0)  # vLLM's engine core and worker died with it (reaped by init)

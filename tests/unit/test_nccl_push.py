@@ -136,3 +136,32 @@ def test_a_push_that_succeeds_again_clears_the_count(tmp_path, monkeypatch):
 
     asyncio.run(scenario())
     assert transport.failed_pushes == {} and admin.reloaded == [str(transport.path(1))]
+
+
+
+class _NoModelAdmin(_Admin):
+    async def expected_weights(self):  # the engine cannot say what its model expects: the join never starts
+        raise EngineError(self.base_url, "expected weights: HTTP 500")
+
+
+def test_a_push_given_up_before_the_engine_joined_forgets_the_minted_nccl_unique_id(tmp_path, monkeypatch):
+    """The trainer mints one ncclUniqueId per accepted push; a push given up before its group opens (here the
+    engine fails before it joins, and the trainer's wait for the join ends at its bound) must not leave the
+    id behind (one more per failed update, for the trainer's life)."""
+    monkeypatch.setenv("RLRUN_WEIGHT_PUSH_PORT", "0")
+
+    def accept(self, request):  # _accept's bookkeeping without a GPU: the id as minted
+        self._unique_ids[request.group] = raw = os.urandom(128)
+        return {"nccl_unique_id_b64": base64.b64encode(raw).decode()}
+
+    monkeypatch.setattr(nccl_push.NcclPushService, "_accept", accept)
+    transport = NcclPushTransport(RunStorage(tmp_path / "run"), timeout_s=2.0)
+    try:
+        _publish(tmp_path, transport, 1)
+        with pytest.raises(EngineError, match="expected weights"):
+            asyncio.run(transport.load_into(_NoModelAdmin(), 1))
+        record = transport.service.records[1]
+        assert record.finished.wait(60), record.phase
+        assert "not started" in record.error and transport.service._unique_ids == {}
+    finally:
+        transport.close(timeout_s=5, grace_s=0)

@@ -1,8 +1,11 @@
-"""The push's first half (request, the engine's join of the gloo group, the trainer's check) runs alongside the
-engine's pause, through the one update sequence, with the trainer's real push service and a stand-in engine
-that joins and receives over real gloo as rlrun's engine does (tests/integration/test_push_weights.py has the
-same against real vLLM). The stand-in's pause and join run side by side; in vLLM both go through the engine
-core's loop one after the other, so what the overlap saves there is measured by benchmarks/weight_push.py."""
+"""The push's first half (request, the engine's join of the gloo group and the start of its update session, the
+trainer's check) runs alongside the engine's pause, through the one update sequence, with the trainer's real
+push service and a stand-in engine that joins and receives over real gloo as rlrun's engine does and keeps
+vLLM's worker's session rules (tests/integration/test_push_weights.py has the same against real vLLM). After
+the pause the push makes only ``update_weights`` and ``finish_weight_update`` (naming the version), and every
+path that opened a session without loading ends it. The stand-in's pause and join run side by side; in vLLM
+both go through the engine core's loop one after the other, so what the overlap saves there is measured by
+benchmarks/weight_push.py."""
 
 from __future__ import annotations
 
@@ -26,18 +29,26 @@ PAUSE_S = 2.0  # the stand-in engine's pause: far longer than a join on loopback
 class _Engine:
     """An engine's admin API as the update sequence and the push use it; ``init_weight_transfer_engine`` and
     ``update_weights`` do what :class:`rlrun_runtime.weights.gloo_engine.GlooWeightTransferEngine` does (join
-    the trainer's group as rank 1, receive the buckets), the rest records what was called and when."""
+    the trainer's group as rank 1, receive the buckets), the session calls keep the rules of vLLM's worker
+    (``gpu_worker.Worker``: a start while a session is active, an update or finish outside one are refused; a
+    failed update ends the session) and of rlrun's engine (weights are touched from the session's first
+    update, which must find the engine paused); the rest records what was called and when."""
 
     base_url = "http://10.0.0.9:8000"
 
-    def __init__(self, pause_fails: bool = False, base_url: str | None = None, fail_when=None) -> None:
+    def __init__(self, pause_fails: bool = False, base_url: str | None = None, fail_when=None,
+                 expected_dtype: str = "float32", pause_s: float = PAUSE_S) -> None:
         self.pause_fails = pause_fails
         self.fail_when = fail_when  # a callable: the pause fails as soon as it returns True
         self.base_url = base_url or self.base_url
+        self.expected_dtype, self.pause_s = expected_dtype, pause_s
         self.calls: list[tuple[str, float]] = []
         self.group = None
         self.received: dict[str, torch.Tensor] = {}
         self.version = "default"
+        self.paused = False
+        self.active = False    # vLLM's worker: a weight-update session is open
+        self.touched = False   # a weight was touched in the open session (rlrun's engine: from its first update)
 
     def _note(self, name: str) -> None:
         self.calls.append((name, time.monotonic()))
@@ -64,10 +75,11 @@ class _Engine:
                 await asyncio.sleep(0.001)
             self._note("paused")
             raise EngineError(self.base_url, "pause failed (test)")
-        await asyncio.sleep(PAUSE_S)
+        await asyncio.sleep(self.pause_s)
         self._note("paused")
         if self.pause_fails:
             raise EngineError(self.base_url, "pause failed (test)")
+        self.paused = True
 
     async def init_weight_transfer_engine(self, init_info: dict, timeout_s: float) -> None:
         self._note("init")
@@ -76,7 +88,7 @@ class _Engine:
             store = dist.TCPStore(init_info["master_address"], init_info["master_port"], is_master=False,
                                   timeout=datetime.timedelta(seconds=init_info["timeout_s"]))
             store.set(proto.group_prefix(init_info["group"]) + proto.KEY_EXPECTED + "1",
-                      proto.Expected("float32", None).to_json())
+                      proto.Expected(self.expected_dtype, None).to_json())
             self.group = proto.make_gloo_group(store, init_info["group"], 1, init_info["world_size"],
                                                init_info["timeout_s"], "127.0.0.1")
             self.bucket_bytes = init_info["packed_buffer_size_bytes"]
@@ -86,25 +98,50 @@ class _Engine:
 
     async def start_weight_update(self) -> None:
         self._note("start")
+        if self.active:
+            raise EngineError(self.base_url, "HTTP 500: start_weight_update called while a weight update is "
+                                             "already active. Call finish_weight_update first.")
+        self.active, self.touched = True, False
 
     async def update_weights(self, update_info: dict, timeout_s: float) -> None:
         self._note("update")
+        if not self.active:
+            raise EngineError(self.base_url, "HTTP 500: start_weight_update must be called before update_weights.")
+        assert self.paused, "weights touched on an engine that is not paused"
+        self.touched = True
         dtypes = [getattr(torch, d) for d in update_info["dtype_names"]]
-        await asyncio.to_thread(proto.receive_buckets, self.group, update_info["names"], dtypes,
-                                update_info["shapes"], self.bucket_bytes,
-                                lambda weights: self.received.update({n: t.clone() for n, t in weights}))
+        try:
+            await asyncio.to_thread(proto.receive_buckets, self.group, update_info["names"], dtypes,
+                                    update_info["shapes"], self.bucket_bytes,
+                                    lambda weights: self.received.update({n: t.clone() for n, t in weights}))
+        except BaseException:
+            self.active = False
+            raise
 
-    async def finish_weight_update(self) -> None:
-        self._note("finish")
+    async def finish_weight_update(self, version=None) -> None:
+        self._note("finish" if version is None else f"finish:{version}")
+        if not self.active:
+            raise EngineError(self.base_url, "HTTP 500: finish_weight_update called without a matching "
+                                             "start_weight_update.")
+        if self.touched:
+            assert self.paused, "weights finalized on an engine that is not paused"
+        else:
+            self._note("finish-empty")
+        self.active = False
+        if version is not None:
+            self.version = str(version)
 
     async def update_weight_version(self, version) -> None:
+        self._note("version")
         self.version = str(version)
 
     async def reset_prefix_cache(self) -> bool:
+        self._note("reset")
         return True
 
     async def resume(self) -> None:
         self._note("resume")
+        self.paused = False
 
     async def weight_info(self) -> str:
         return self.version
@@ -147,10 +184,14 @@ def test_the_engine_joins_while_it_pauses_and_receives_once_paused(tmp_path, mon
         engine = _Engine()
         update = asyncio.run(update_engine(engine, 1, transport, previous=None))
         assert update.reported_version == 1 and transport.fallbacks == 0
-        assert engine.names()[-4:] == ["start", "update", "finish", "resume"]
-        # the join (and the trainer's check) happened inside the pause; the weights only after it
+        # after the pause: the load, its finish naming the version (no /update_weight_version), reset, resume
+        after = engine.names()[engine.names().index("paused") + 1:]
+        assert after == ["update", "finish:1", "reset", "resume"], engine.names()
+        # the join, the session's start (it touches no weight) and the trainer's check happened inside the
+        # pause; the weights only after it
         assert engine.at("pause") <= engine.at("init") and engine.at("joined") < engine.at("paused")
-        assert engine.at("paused") <= engine.at("start")
+        assert engine.at("pause") <= engine.at("start") < engine.at("paused")
+        assert not engine.active and not transport._sessions
         assert set(engine.received) == set(state)
         for name, tensor in state.items():
             assert torch.equal(engine.received[name], tensor)
@@ -170,7 +211,10 @@ def test_a_failed_pause_gives_the_prepared_push_up_and_the_trainer_sends_nothing
         engine = _Engine(pause_fails=True)
         began = time.monotonic()
         _update_expecting_a_failed_pause(engine, transport)
-        assert "start" not in engine.names() and "update" not in engine.names() and engine.names()[-1] == "resume"
+        assert "update" not in engine.names() and engine.names()[-1] == "resume"
+        # the session started beside the pause was ended (touching no weight), before the resume
+        assert engine.names()[-3:] == ["finish", "finish-empty", "resume"] and engine.at("start") < engine.at("paused")
+        assert not engine.active and not transport._sessions
         record = next(iter(transport.service.records.values()))
         # told, the trainer ends the push at once (its own bound would be the push timeout + 30 s)
         assert record.finished.wait(5.0), record.phase
@@ -188,7 +232,10 @@ def test_a_pause_that_fails_while_the_join_is_under_way_still_frees_the_trainer_
         # the pause fails as soon as the trainer has the request: the update ends with the join unfinished
         engine = _Engine(fail_when=lambda: bool(transport.service.records))
         _update_expecting_a_failed_pause(engine, transport)
-        assert "start" not in engine.names() and engine.names()[-1] == "resume"
+        assert "update" not in engine.names() and engine.names()[-1] == "resume"
+        assert not engine.active and not transport._sessions  # a start sent before the cancel was ended
+        if "start" in engine.names():
+            assert engine.at("finish") > engine.at("start")
         record = next(iter(transport.service.records.values()))
         # its own bound would be the push timeout (10 s) + 30 s
         assert record.finished.wait(8.0), record.phase
@@ -221,5 +268,106 @@ def test_a_decode_engine_joins_only_once_every_prefill_engine_is_paused(tmp_path
         assert decode.at("init") >= prefill.at("paused") and decode.at("pause") >= prefill.at("paused")
         assert prefill.at("init") < prefill.at("paused")  # prefill's own join still overlaps its pause
         assert prefill.at("resume") >= decode.at("resume")
+    finally:
+        transport.close(timeout_s=0.0, grace_s=0.0)
+
+
+def test_the_next_update_after_a_failed_pause_is_not_refused_as_already_active(tmp_path, monkeypatch):
+    """The session opened beside the pause and ended by release(): the same engine's next update starts a
+    session again and loads (vLLM's worker would refuse a second start while the first is open)."""
+    transport = _transport(tmp_path, monkeypatch)
+    try:
+        state = _publish(tmp_path, transport, 1)
+        engine = _Engine(pause_fails=True, pause_s=0.5)
+        _update_expecting_a_failed_pause(engine, transport)
+        engine.pause_fails = False
+        update = asyncio.run(update_engine(engine, 1, transport, previous=None))
+        assert update.reported_version == 1 and transport.fallbacks == 0
+        assert engine.names().count("start") == 2 and not engine.active
+        assert all(torch.equal(engine.received[n], t) for n, t in state.items())
+    finally:
+        transport.close(timeout_s=0.0, grace_s=0.0)
+
+
+def test_a_refused_check_ends_the_session_without_touching_a_weight(tmp_path, monkeypatch):
+    """The trainer refuses the engine's model (dtype): the load fails after the pause, nothing was received,
+    and the session started beside the pause is ended (no previous version: the engine stays out of service)."""
+    transport = _transport(tmp_path, monkeypatch)
+    try:
+        _publish(tmp_path, transport, 1)
+        engine = _Engine(expected_dtype="bfloat16", pause_s=0.5)
+        try:
+            asyncio.run(update_engine(engine, 1, transport, previous=None))
+        except EngineError as err:
+            assert "refused before any tensor was sent" in str(err) and "dtype" in str(err)
+        else:
+            raise AssertionError("the refused check was not reported")
+        assert "start" in engine.names() and "finish-empty" in engine.names() and "update" not in engine.names()
+        assert not engine.active and not transport._sessions and engine.version == "default"
+    finally:
+        transport.close(timeout_s=0.0, grace_s=0.0)
+
+
+def test_a_pause_longer_than_the_trainers_wait_ends_the_first_session_before_joining_again(tmp_path, monkeypatch):
+    """The trainer stops waiting for ``go`` before the pause returns (its bound, shortened here): the load joins
+    afresh, and the first session is ended first, so the second start is not refused."""
+    from rlrun_runtime.weights import push
+
+    monkeypatch.setattr(push, "GO_FAST_S", 0.05)
+    monkeypatch.setattr(push, "GO_GRACE_S", 0.2 - 10.0)  # the trainer's wait for go: 10 s push timeout - 9.8 s
+    transport = _transport(tmp_path, monkeypatch)
+    try:
+        state = _publish(tmp_path, transport, 1)
+        engine = _Engine(pause_s=1.5)
+        update = asyncio.run(update_engine(engine, 1, transport, previous=None))
+        assert update.reported_version == 1 and transport.fallbacks == 0
+        names = engine.names()
+        assert names.count("init") == 2 and names.count("start") == 2, names
+        assert names.index("finish-empty") < len(names) - 1 - names[::-1].index("start")  # ended, then started
+        assert names[-4:] == ["update", "finish:1", "reset", "resume"]
+        assert all(torch.equal(engine.received[n], t) for n, t in state.items())
+    finally:
+        transport.close(timeout_s=0.0, grace_s=0.0)
+
+
+def test_a_cancelled_update_ends_the_session_it_opened(tmp_path, monkeypatch):
+    transport = _transport(tmp_path, monkeypatch)
+    try:
+        _publish(tmp_path, transport, 1)
+        engine = _Engine()
+
+        async def cancel_once_started():
+            task = asyncio.ensure_future(update_engine(engine, 1, transport, previous=None))
+            while "start" not in engine.names():
+                await asyncio.sleep(0.005)
+            task.cancel()
+            await asyncio.wait({task})
+            assert task.cancelled()
+
+        asyncio.run(cancel_once_started())
+        # resumed (update_engine's cancel path) and the session ended (release, after it: it touches no weight)
+        assert "update" not in engine.names() and "resume" in engine.names()
+        assert not engine.active and not transport._sessions and "finish-empty" in engine.names()
+    finally:
+        transport.close(timeout_s=0.0, grace_s=0.0)
+
+
+def test_a_backend_whose_start_touches_weights_starts_only_on_the_paused_engine(tmp_path, monkeypatch):
+    """vLLM's NCCL engine starts its layerwise reload in start_weight_update: a push over a backend outside
+    ``START_WITH_JOIN`` sends the start after the pause, with the load."""
+
+    class _MovesWeightsAtStart(PushTransport):
+        START_WITH_JOIN = frozenset()
+
+    monkeypatch.setenv(constants.ENV_WEIGHT_PUSH_PORT, "0")
+    monkeypatch.setenv(constants.ENV_MASTER_ADDR, "127.0.0.1")
+    transport = _MovesWeightsAtStart(RunStorage(tmp_path / "storage"), timeout_s=10.0, bucket_bytes=4096)
+    try:
+        _publish(tmp_path, transport, 1)
+        engine = _Engine(pause_s=0.5)
+        update = asyncio.run(update_engine(engine, 1, transport, previous=None))
+        assert update.reported_version == 1
+        after = engine.names()[engine.names().index("paused") + 1:]
+        assert after == ["start", "update", "finish:1", "reset", "resume"], engine.names()
     finally:
         transport.close(timeout_s=0.0, grace_s=0.0)

@@ -84,11 +84,14 @@ class FilesystemTransport(WeightTransport):
             compare_shapes(shapes, served, f"weights {source} do not match the served version {serving} "
                                            f"({reference}); nothing was paused")
 
-    async def load_into(self, admin: "VLLMAdmin", version: int) -> None:
+    async def load_into(self, admin: "VLLMAdmin", version: int) -> bool:
+        """One ``reload_weights`` of ``version``'s directory; returns False (the reload names no version: the
+        update sequence does)."""
         source = self.source(version)
         if source is None:
             raise ValueError(f"version {version} has no directory on the shared storage")
         await admin.reload_weights(str(source))
+        return False
 
     def retire(self, loaded: int) -> list[int]:
         removed = [m for m in list_steps(self.storage.weights_dir) if m < loaded]

@@ -8,11 +8,15 @@ its workers included (``vllm/v1/worker/worker_base.py`` ``init_worker``), before
 
 Same wire format and lifecycle as vLLM's NCCL engine (:mod:`rlrun_runtime.weights.push_protocol`), over a
 ``ProcessGroupGloo`` built on the trainer's ``TCPStore`` instead of NCCL: ``init_transfer_engine`` joins the
-group (trainer rank 0 + this server's workers), ``start_weight_update`` starts vLLM's layerwise reload,
-``update_weights`` receives the buckets into ``model.load_weights``, ``finish_weight_update`` finalizes the
-reload and re-processes tied LM heads, which vLLM on CPU otherwise leaves holding the old weights (the same
-fix as :mod:`rlrun_runtime.vllm_worker`, measured there), then prints the update's split (one line per update
-in the server's log, ``rlrun gloo engine: update ...``: join, waits for data, ``load_weights``, finalization).
+group (trainer rank 0 + this server's workers), ``start_weight_update`` only opens the session (it touches no
+weight, so the orchestrator sends it beside the pause, while the engine may still be serving: see
+:meth:`GlooWeightTransferEngine.start_weight_update`), ``update_weights`` starts vLLM's layerwise reload (the
+parameters go to the meta device there, on the paused engine) and receives the buckets into
+``model.load_weights``, ``finish_weight_update`` finalizes the reload and re-processes tied LM heads, which
+vLLM on CPU otherwise leaves holding the old weights (the same fix as :mod:`rlrun_runtime.vllm_worker`,
+measured there), then prints the update's split (one line per update in the server's log, ``rlrun gloo
+engine: update ...``: join, reload set-up, waits for data, ``load_weights``, finalization). A session that
+received nothing (the update ended before the load) is finished without touching a weight.
 
 gloo's threads are created with every CPU of the process allowed (:func:`_threads_on_every_cpu`): vLLM's CPU
 worker binds its own threads to its cores, and the receive then competes with ``load_weights`` for them.
@@ -178,6 +182,7 @@ class GlooWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         self.store: Any = None
         self.info: GlooWeightTransferInitInfo | None = None
         self.timings: dict[str, float] = {}  # seconds per phase of the update under way (see finish)
+        self.reloading = False  # True from the session's first update_weights (parameters on meta) to its end
 
     def _rank(self, info: GlooWeightTransferInitInfo) -> int:
         parallel = self.parallel_config
@@ -207,19 +212,38 @@ class GlooWeightTransferEngine(_engine_base()):  # type: ignore[misc]
                  init_info.world_size)
 
     def start_weight_update(self) -> None:
+        """Open an update session: nothing else. vLLM's worker only records that a session is active (and
+        refuses ``update_weights`` outside one); this engine starts the layerwise reload, which moves every
+        parameter to the meta device, in the session's first :meth:`update_weights`. So the call touches no
+        weight and may run on an engine that is still generating: the orchestrator sends it beside the pause
+        (``weights/push.py``) and ends the session with ``finish_weight_update`` on every path that does not
+        reach the load."""
+        self.reloading = False
+
+    def _begin_reload(self) -> None:
+        """The layerwise reload's set-up (parameters to meta, loaders wrapped), once per session."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        if self.reloading:
+            return
         began = time.perf_counter()
         initialize_layerwise_reload(self.model)
-        self.timings["start"] = time.perf_counter() - began
+        self.reloading = True
+        self.timings["setup"] = time.perf_counter() - began
 
     def finish_weight_update(self) -> None:
         """Finalize the layerwise reload, refresh the tied LM heads, print the update's timings (one line in
-        the server's log: ``rlrun gloo engine: update ...``, milliseconds; benchmarks/weight_push.py reads it)."""
+        the server's log: ``rlrun gloo engine: update ...``, milliseconds; benchmarks/weight_push.py reads it).
+        A session without an ``update_weights`` (the update ended before the load) has nothing to finalize:
+        no weight is touched, one line ``rlrun gloo engine: session ended without an update`` is printed."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        if not self.reloading:
+            print("rlrun gloo engine: session ended without an update", flush=True)
+            return
         began = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
+        self.reloading = False
         finalized = time.perf_counter()
         refresh_lm_heads(self.model)
         ended = time.perf_counter()
@@ -227,17 +251,20 @@ class GlooWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         t["finish"], t["finalize"], t["heads"] = ended - began, finalized - began, ended - finalized
         ms = {k: v * 1000.0 for k, v in t.items() if k != "bytes"}
         print(f"rlrun gloo engine: update {t.get('bytes', 0.0) / 2**20:.1f} MiB in {int(t.get('buckets', 0))} "
-              f"buckets: init {ms.get('init', 0):.1f} ms (join {ms.get('join', 0):.1f}), start "
-              f"{ms.get('start', 0):.1f}, update {ms.get('update', 0):.1f} (waiting for data "
+              f"buckets: init {ms.get('init', 0):.1f} ms (join {ms.get('join', 0):.1f}), update "
+              f"{ms.get('update', 0):.1f} (reload set-up {ms.get('setup', 0):.1f}, waiting for data "
               f"{ms.get('wait', 0):.1f}, load_weights {ms.get('load', 0):.1f}), finish {ms['finish']:.1f} "
               f"(finalize {ms['finalize']:.1f}, heads {ms['heads']:.1f})", flush=True)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """The base class's, without its ``torch.accelerator.synchronize()`` (no accelerator on CPU; gloo's
-        receive is synchronous)."""
+        """The base class's, preceded by the layerwise reload's set-up (the session's first call only; see
+        :meth:`start_weight_update`) and without its ``torch.accelerator.synchronize()`` on CPU (gloo's
+        receive is synchronous). A failure gives every layer its previous tensors back and ends the reload
+        (vLLM's worker ends the session)."""
         typed = self.parse_update_info(update_info)
         began = time.perf_counter()
         try:
+            self._begin_reload()
             self.receive_weights(typed)
             self.timings["update"] = time.perf_counter() - began
         except BaseException:
@@ -245,8 +272,10 @@ class GlooWeightTransferEngine(_engine_base()):  # type: ignore[misc]
             # its previous tensors back (none stays on the meta device), as rlrun_reload_weights does.
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-            with contextlib.suppress(Exception):
-                finalize_layerwise_reload(self.model, self.model_config)
+            if self.reloading:
+                with contextlib.suppress(Exception):
+                    finalize_layerwise_reload(self.model, self.model_config)
+                self.reloading = False
             raise
         if self.device.type != "cpu":
             torch.accelerator.synchronize()

@@ -131,6 +131,10 @@ class NcclPushService(PushService):
         """Destroy the trainer's communicator (vLLM's ``destroy``: an abort, itself bounded to 5 s)."""
         group.destroy()
 
+    def _forget(self, request: proto.PushRequest) -> None:
+        """Drop the ``ncclUniqueId`` minted for a push that was given up before its group opened."""
+        self._unique_ids.pop(request.group, None)
+
 
 class NcclPushTransport(PushTransport):
     """``weightSync.transport: nccl`` (module docstring)."""

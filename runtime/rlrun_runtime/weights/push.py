@@ -5,11 +5,16 @@ Three processes take part. The trainer's rank 0 runs a :class:`PushService` (a `
 ``constants.WEIGHT_PUSH_PORT``, its address in ``weights/push-endpoint.json`` on the run's storage) that holds
 the newest published state dict and serves push requests. The orchestrator drives each engine's update
 (pause, load, version, cache, resume: :mod:`rlrun_runtime.weights.update`); for the load,
-:meth:`PushTransport.prepare` (alongside the engine's pause: it touches no weight) posts a request to the
-service, has the engine join a fresh gloo group with the trainer (``/init_weight_transfer_engine``) and waits
-for the trainer's name/dtype/shape check against the engine's model; :meth:`PushTransport.load_into` (engine
-paused) then tells the trainer to send (``go``), ``/start_weight_update`` -> ``/update_weights`` (the engine
-receives while the trainer sends) -> ``/finish_weight_update``. The engine side is :mod:`rlrun_runtime.weights.gloo_engine`.
+:meth:`PushTransport.prepare` (alongside the engine's pause: it touches no weight) opens the engine's update
+session (``/start_weight_update``: rlrun's gloo engine starts the layerwise reload only in ``update_weights``),
+posts a request to the service, has the engine join a fresh gloo group with the trainer
+(``/init_weight_transfer_engine``) and waits for the trainer's name/dtype/shape check against the engine's
+model; :meth:`PushTransport.load_into` (engine paused) then tells the trainer to send (``go``),
+``/update_weights`` (the engine receives while the trainer sends) -> ``/finish_weight_update`` with the
+version (vLLM names it in the same call, so the update sequence sends no ``/update_weight_version``). Every
+path that opened a session and does not reach the load (the pause failed, the trainer gave up, the update
+was cancelled) ends it with a ``/finish_weight_update`` that touches no weight, so the next update's start
+is not refused as "already active". The engine side is :mod:`rlrun_runtime.weights.gloo_engine`.
 
 Every version is also written to the storage as the filesystem transport writes it (the trainer does this
 before the orchestrator learns of the version): a starting or restarted engine serves it from there, a
@@ -213,6 +218,10 @@ class PushService:
     def _close_group(self, group: Any) -> None:
         """Release the trainer's side of ``group`` after the send (gloo: nothing; the object is dropped)."""
 
+    def _forget(self, request: proto.PushRequest) -> None:
+        """Drop what :meth:`_accept` kept for ``request`` when its group will never be opened (the orchestrator
+        gave the push up before the engine joined; gloo: nothing is kept)."""
+
     def _serve(self) -> None:
         store = self._client()
         rid = 1
@@ -250,6 +259,7 @@ class PushService:
         except Exception as err:  # noqa: BLE001 - the store failed
             given_up = f"the store failed: {err}"
         if given_up is not None:
+            self._forget(request)
             answer("checked", f"push of version {request.version} to engine {request.engine} not started: {given_up}")
             return
         try:
@@ -307,6 +317,10 @@ class PushTransport(FilesystemTransport):
     name = "gloo"
     backend = "gloo"  # the vLLM weight-transfer backend the engines run (--weight-transfer-config)
     service_cls: type[PushService] = PushService  # the trainer's side of this backend
+    # The backends whose engine's start_weight_update touches no weight, so that it may be sent beside the
+    # pause while the engine still serves: rlrun's gloo engine only. vLLM's NCCL engine starts its layerwise
+    # reload there (every parameter to the meta device): its start waits for the paused engine (_transfer).
+    START_WITH_JOIN = frozenset({"gloo"})
 
     def __init__(self, storage: RunStorage, *, timeout_s: float = proto.DEFAULT_TIMEOUT_S,
                  bucket_bytes: int = proto.DEFAULT_BUCKET_BYTES):
@@ -316,6 +330,9 @@ class PushTransport(FilesystemTransport):
         self._workers: dict[str, int] = {}  # engine URL -> its worker count
         self._prepared: dict[tuple[str, int], tuple[str, Any]] = {}  # (engine URL, version) -> prepare's outcome
         self._posted: dict[tuple[str, int], tuple[Any, int]] = {}  # a join under way: its store and request id
+        # (engine URL, version) -> the /start_weight_update sent beside the pause, until the load takes it over
+        # or the session is ended (_end_session)
+        self._sessions: dict[tuple[str, int], asyncio.Future[None]] = {}
         self.fallbacks = 0  # loads that went through the storage copy instead of a push
 
     # --- trainer side ----------------------------------------------------------------------------------
@@ -362,9 +379,9 @@ class PushTransport(FilesystemTransport):
 
     async def prepare(self, admin: "VLLMAdmin", version: int) -> None:
         """The first half of the push, alongside the engine's pause (:meth:`WeightTransport.prepare`): the
-        request to the trainer, the engine's join of the group, the trainer's check. Touches no weight: the
-        engine starts its layerwise reload only in ``load_into``. Its outcome (or error) waits for
-        ``load_into`` (or :meth:`release`)."""
+        request to the trainer, the engine's join of the group and the start of its update session, the
+        trainer's check. Touches no weight: the engine starts its layerwise reload only in ``update_weights``
+        (``load_into``). Its outcome (or error) waits for ``load_into`` (or :meth:`release`)."""
         key = (admin.base_url, version)
         try:
             joined = await self._join(admin, version)
@@ -378,42 +395,74 @@ class PushTransport(FilesystemTransport):
     async def release(self, admin: "VLLMAdmin", version: int) -> None:
         """Tell the trainer that a prepared push of ``version`` to this engine will not happen: one joined, or
         one whose request was posted when the update ended (pause failed fast, cancelled), so that the
-        trainer's thread ends at once instead of at its own bound. Best effort."""
+        trainer's thread ends at once instead of at its own bound; end the engine's update session if one was
+        started (it loaded nothing: no weight is touched). Best effort."""
         key = (admin.base_url, version)
         kind, joined = self._prepared.pop(key, (None, None))
         posted = self._posted.pop(key, None)
         target = (joined.store, joined.rid) if kind == "joined" and isinstance(joined, _Joined) else posted
         if target is not None:
             await self._give_up(*target, "the update ended before the load")
+        await self._end_session(admin, key)
+
+    async def _end_session(self, admin: "VLLMAdmin", key: tuple[str, int],
+                           started: "asyncio.Future[None] | None" = None) -> None:
+        """End the update session opened beside the pause for ``key`` (``started``: its start, when the caller
+        took it already; no-op when there is none): wait for the start to be answered, then
+        ``/finish_weight_update`` without a version. Called only where no ``update_weights`` of the session
+        ran, so rlrun's gloo engine finalizes nothing (its finish touches no weight; vLLM's worker marks the
+        session over). Also sent when the start failed (a timed-out start may still have opened the session;
+        a refused one opened none, and the finish's refusal is then expected). Never raises."""
+        started = started if started is not None else self._sessions.pop(key, None)
+        if started is None:
+            return
+        await asyncio.wait({started})
+        start_failed = started.cancelled() or started.exception() is not None  # (retrieves the exception)
+        try:
+            await admin.finish_weight_update()
+        except EngineError as err:
+            log.log(logging.INFO if start_failed else logging.WARNING,
+                    "engine %s: ending the unused weight-update session failed (%s): %s", admin.base_url,
+                    "its start had failed too" if start_failed else "the next update's start may be refused", err)
 
     @staticmethod
     async def _give_up(store: Any, rid: int, why: str) -> None:
         with contextlib.suppress(Exception):
             await asyncio.to_thread(store.set, proto.key_go(rid), json.dumps({"ok": False, "why": why}))
 
-    async def load_into(self, admin: "VLLMAdmin", version: int) -> None:
+    async def load_into(self, admin: "VLLMAdmin", version: int) -> bool:
         """Receive ``version`` pushed by the trainer (module docstring); from the storage copy when the
         trainer's service is unreachable or does not hold ``version``. Takes over what :meth:`prepare` did
         for ``(admin, version)``, or does it first.
 
+        Returns:
+            True when pushed: the engine's ``/finish_weight_update`` named ``version`` too; False when loaded
+            from the storage copy (the update sequence names it).
+
         Raises:
             EngineError: the engine or the trainer failed the push; the message names the engine.
         """
-        kind, joined = self._prepared.pop((admin.base_url, version), (None, None))
+        key = (admin.base_url, version)
+        kind, joined = self._prepared.pop(key, (None, None))
         if kind == "error":
             raise joined
         if kind == "joined" and isinstance(joined, _Joined):
             gave_up = await self._trainer_gave_up(joined)
             if gave_up is None:  # the trainer went away after its check: nothing reached the engine's weights
-                return await self._fallback(admin, version, "the trainer's push service stopped answering "
-                                                            "before the load began")
+                await self._end_session(admin, key)
+                await self._fallback(admin, version, "the trainer's push service stopped answering before the "
+                                                     "load began")
+                return False
             if gave_up:
+                await self._end_session(admin, key)
                 joined = None  # the pause outlasted the trainer's wait: join afresh
         if joined is None:
             joined = await self._join(admin, version)
         if isinstance(joined, str):
-            return await self._fallback(admin, version, joined)
+            await self._fallback(admin, version, joined)
+            return False
         await self._transfer(admin, joined)
+        return True
 
     @staticmethod
     async def _trainer_gave_up(joined: "_Joined") -> bool | None:
@@ -425,8 +474,9 @@ class PushTransport(FilesystemTransport):
             return None
 
     async def _join(self, admin: "VLLMAdmin", version: int) -> "_Joined | str":
-        """Request the push, have the engine join the group, wait for the trainer's check. Returns what the
-        transfer needs, or why ``version`` is to be loaded from the storage copy instead.
+        """Open the engine's update session (backends in ``START_WITH_JOIN``), request the push, have the engine
+        join the group, wait for the trainer's check. Returns what the transfer needs (the session open), or
+        why ``version`` is to be loaded from the storage copy instead (the session ended again).
 
         Raises:
             EngineError: the engine is not healthy, did not join, or the trainer refused its model.
@@ -434,18 +484,36 @@ class PushTransport(FilesystemTransport):
         endpoint = self._endpoint()
         if endpoint is None:
             return "no trainer push service has announced itself"
-        host, port = endpoint
+        key = (admin.base_url, version)
+        try:
+            joined = await self._join_at(admin, version, *endpoint)
+        except EngineError:
+            await self._end_session(admin, key)
+            raise
+        if isinstance(joined, str):  # the storage copy is loaded instead: no session needed
+            await self._end_session(admin, key)
+        return joined
+
+    async def _join_at(self, admin: "VLLMAdmin", version: int, host: str, port: int) -> "_Joined | str":
+        """:meth:`_join` once the trainer's endpoint is known."""
         try:
             store = await asyncio.to_thread(_store_client, host, port, CONNECT_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001
             return f"trainer push service {host}:{port} unreachable ({err})"
         if not await admin.health():  # a dead engine fails here, before the trainer waits for it to join
             raise EngineError(admin.base_url, f"not healthy (GET /health): version {version} not pushed")
+        key = (admin.base_url, version)
+        if self.backend in self.START_WITH_JOIN and key not in self._sessions:
+            # The session's start, beside the pause: it only records the session, so it may run while the engine
+            # serves. Sent now, it reaches the engine core while vLLM's pause sleeps 20 ms in the API server (the
+            # engine core idle), as a rule after the pause's own utility call and before the join. From here on every
+            # path that does not reach the load ends the session (_join; release() when cancelled; load_into
+            # when it gives the prepared push up).
+            self._sessions[key] = asyncio.ensure_future(admin.start_weight_update())
         workers = self._workers.get(admin.base_url) or await admin.worker_count()
         self._workers[admin.base_url] = workers  # fixed by the spec (TP x DP) for the server's life
         request = proto.PushRequest(group=uuid.uuid4().hex, version=version, engine=admin.base_url,
                                     world_size=1 + workers, timeout_s=self.timeout_s, bucket_bytes=self.bucket_bytes)
-        key = (admin.base_url, version)
         try:
             rid = await asyncio.to_thread(store.add, proto.KEY_REQUEST_COUNT, 1)
             self._posted[key] = (store, rid)  # from here on, an update that ends early tells the trainer (release)
@@ -538,20 +606,32 @@ class PushTransport(FilesystemTransport):
         (gloo_engine drops the old one first): no shutdown call, one RPC less per update."""
 
     async def _transfer(self, admin: "VLLMAdmin", joined: "_Joined") -> None:
-        """The second half of the push, on the paused engine: tell the trainer to send, start the engine's
-        layerwise reload, receive every bucket, finish.
+        """The second half of the push, on the paused engine: tell the trainer to send, the engine's update
+        session (started beside the pause, else now), receive every bucket, finish naming the version.
 
         Raises:
-            EngineError: the trainer or the engine failed; the message names the engine.
+            EngineError: the trainer or the engine failed; the message names the engine. No session is left
+                open: one that received nothing is ended (no weight touched), a failed ``update_weights``
+                ended it in the worker, one that received everything is finished.
         """
         store, rid, request, info = joined.store, joined.rid, joined.request, joined.info
         url, limit = admin.base_url, request.timeout_s + 30.0
+        started = self._sessions.pop((url, request.version), None)  # the start sent beside the pause, if any
+        if started is not None:
+            try:
+                await started  # answered long ago, as a rule (it went out with the join)
+            except EngineError as err:  # no session (or, timed out, an unknown one): nothing is sent
+                await self._give_up(store, rid, f"the engine's start_weight_update failed: {err}")
+                await self._end_session(admin, (url, request.version), started)
+                raise
         try:
             await asyncio.to_thread(store.set, proto.key_go(rid), json.dumps({"ok": True}))
         except (RuntimeError, OSError) as err:
+            await self._end_session(admin, (url, request.version), started)
             raise EngineError(url, f"weight push of version {request.version}: the trainer's push service stopped "
                                    f"answering before any tensor was sent ({err})") from err
-        await admin.start_weight_update()
+        if started is None:
+            await admin.start_weight_update()  # vLLM's NCCL engine: its layerwise reload starts here, paused
         try:
             sent = await self._receive(admin, store, rid, request, info, limit)
         except EngineError as err:
@@ -561,14 +641,21 @@ class PushTransport(FilesystemTransport):
                 sent = None
             detail = f"; trainer: {sent['error']}" if sent and sent.get("error") else ""
             raise EngineError(url, f"receiving version {request.version} failed: {err}{detail}") from err
-        if sent is None:
-            try:
-                sent = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "sent"), limit)
-            except (RuntimeError, OSError, ValueError) as err:
-                raise EngineError(url, f"version {request.version}: the trainer's push service stopped answering "
-                                       f"before it confirmed the push ({err})") from err
-        if sent is None or not sent["ok"]:
-            raise EngineError(url, "the trainer did not confirm the push: "
-                                   + ("no answer" if sent is None else sent["error"]))
-        await admin.finish_weight_update()
+        try:
+            if sent is None:
+                try:
+                    sent = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "sent"), limit)
+                except (RuntimeError, OSError, ValueError) as err:
+                    raise EngineError(url, f"version {request.version}: the trainer's push service stopped "
+                                           f"answering before it confirmed the push ({err})") from err
+            if sent is None or not sent["ok"]:
+                raise EngineError(url, "the trainer did not confirm the push: "
+                                       + ("no answer" if sent is None else sent["error"]))
+        except EngineError:
+            # update_weights answered, so the engine's session is open: finish it (without the version) so that
+            # the restore's start is not refused, then report the trainer's failure
+            with contextlib.suppress(EngineError):
+                await admin.finish_weight_update()
+            raise
+        await admin.finish_weight_update(request.version)
         await self._after_finish(admin)

@@ -7,7 +7,8 @@
   ``load_into`` then starts the receive on the engine and waits for the trainer's send.
 
 Either way the orchestrator drives the same sequence (:mod:`rlrun_runtime.weights.update`: pause, load,
-version, cache, resume, verify) and asks the transport only what is published and how an engine loads it.
+version, cache, resume, verify) and asks the transport only what is published and how an engine loads it
+(and, from ``load_into``'s answer, whether the load named the version already).
 """
 
 from __future__ import annotations
@@ -42,11 +43,16 @@ class WeightTransport(abc.ABC):
         Called before any engine is paused, so bad weights never leave an engine paused or broken."""
 
     @abc.abstractmethod
-    async def load_into(self, admin: "VLLMAdmin", version: int) -> None:
+    async def load_into(self, admin: "VLLMAdmin", version: int) -> bool:
         """Make the (paused) engine behind ``admin`` hold the weights of ``version``.
 
         Also used to *restore* the served version after a failed load (the update sequence calls
         ``check_loadable(previous)`` first); a transport that cannot resend an older version raises.
+
+        Returns:
+            True when the load also named ``version`` on the engine (what ``GET /weight_info`` reports; a push
+            sets it with its ``/finish_weight_update``, in the same call and only once the load succeeded):
+            the update sequence then sends no ``/update_weight_version``. False (or None) otherwise.
 
         Raises:
             EngineError: the engine refused or failed the load.

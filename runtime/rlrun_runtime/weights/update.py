@@ -2,8 +2,18 @@
 
 ``POST /pause?mode=keep&clear_cache=false`` (alongside it ``WeightTransport.prepare``: what the load needs that
 touches no weight) -> the transport's load (``WeightTransport.load_into``) ->
-``POST /update_weight_version`` (what ``GET /weight_info`` then reports) -> ``POST /reset_prefix_cache`` ->
-``POST /resume`` -> ``GET /weight_info`` must name the new version.
+``POST /update_weight_version`` (what ``GET /weight_info`` then reports; skipped when the load named the
+version itself: a push's ``/finish_weight_update`` carries it, vLLM sets it in that call once the workers'
+finish succeeded) -> ``POST /reset_prefix_cache`` -> ``POST /resume`` -> ``GET /weight_info`` must name the
+new version.
+
+What a transport does alongside the pause is its own (the push: the trainer's accept, the engine's join of
+the group, and with rlrun's gloo engine the start of the engine's update session, which touches no weight:
+the layerwise reload begins in ``update_weights``); it must leave nothing open when the load does not follow
+(``WeightTransport.release``: the push gives the trainer up and ends the session). The version call and the
+prefix-cache reset stay one after the other: both are utility calls that vLLM's engine core runs one at a
+time, on disjoint state, so sending them together would be safe, but it saves only the filesystem path a few
+milliseconds, and a failed version call would no longer skip the reset.
 
 This is the one module that orders these calls. What each failure leaves behind:
 
@@ -78,9 +88,11 @@ async def _restore(admin: VLLMAdmin, transport: WeightTransport, previous: int |
         return "no previous version is known"
     try:
         transport.check_loadable(previous)
-        await transport.load_into(admin, previous)
+        named = await transport.load_into(admin, previous)
     except (EngineError, ValueError) as err:
         return f"restoring version {previous} failed: {err}"
+    if named:
+        return None
     with contextlib.suppress(EngineError):  # the weights are right; a wrong name only makes it look behind
         await admin.update_weight_version(previous)
     return None
@@ -124,7 +136,8 @@ class PauseOrder:
 
 async def update_engine(admin: VLLMAdmin, version: int, transport: WeightTransport,
                         previous: int | None = None, order: PauseOrder | None = None) -> EngineUpdate:
-    """pause(keep) -> load -> set version -> reset prefix cache -> resume on one engine, then check it.
+    """pause(keep) -> load -> set version (unless the load did) -> reset prefix cache -> resume on one engine,
+    then check it.
 
     ``previous`` is the version the engine serves (restored when the load fails; see the module
     docstring). ``order``: the round's P/D ordering, when there is one (this engine reports to it, the caller
@@ -144,7 +157,8 @@ async def update_engine(admin: VLLMAdmin, version: int, transport: WeightTranspo
         if order is not None:
             await order.before_pause(url)
         # What the load needs that touches no weight (a push: the trainer's accept, the engine's join of the
-        # group, the trainer's check) runs alongside the pause; load_into takes it over. Only after the P/D
+        # group and the start of its update session, the trainer's check) runs alongside the pause; load_into
+        # takes it over, release() ends what it did not take. Only after the P/D
         # gate: the join is a utility call that stops the engine core's loop while it runs, and a decode
         # server must go on starting its pending KV loads until every prefill server is paused.
         preparing = asyncio.ensure_future(transport.prepare(admin, version))
@@ -155,7 +169,7 @@ async def update_engine(admin: VLLMAdmin, version: int, transport: WeightTranspo
                 order.paused(url)
         try:
             await preparing
-            await transport.load_into(admin, version)
+            named = await transport.load_into(admin, version)
         except (EngineError, ValueError) as err:
             not_restored = await _restore(admin, transport, previous)
             if not_restored is not None:
@@ -167,7 +181,8 @@ async def update_engine(admin: VLLMAdmin, version: int, transport: WeightTranspo
             failure = EngineError(admin.base_url, f"loading version {version} failed ({err}); version "
                                                   f"{previous} was restored and the engine resumed")
         else:
-            await admin.update_weight_version(version)
+            if not named:
+                await admin.update_weight_version(version)
             reset = await admin.reset_prefix_cache()
     except EngineOutOfService:
         raise
