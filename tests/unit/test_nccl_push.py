@@ -68,7 +68,7 @@ def test_a_trainer_without_a_gpu_answers_why_and_the_engine_loads_the_storage_co
     try:
         _publish(tmp_path, transport, 1)
         admin = _Admin()
-        asyncio.run(transport.load_into(admin, 1))
+        assert asyncio.run(transport.load_into(admin, 1)) is False  # the storage copy: the sequence names it
         assert admin.reloaded == [str(transport.path(1))] and transport.fallbacks == 1
         record = transport.service.records[1]
         assert "needs a GPU on the trainer" in record.error and record.phase == "accepted"

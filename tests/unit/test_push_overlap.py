@@ -371,3 +371,42 @@ def test_a_backend_whose_start_touches_weights_starts_only_on_the_paused_engine(
         assert after == ["start", "update", "finish:1", "reset", "resume"], engine.names()
     finally:
         transport.close(timeout_s=0.0, grace_s=0.0)
+
+
+class _HeldFinish(_Engine):
+    """Its first ``finish_weight_update`` never answers (cancelled from outside); later ones do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold = True
+
+    async def finish_weight_update(self, version=None) -> None:
+        if self.hold:
+            self.hold = False
+            self._note("finish-held")
+            await asyncio.Event().wait()
+        await super().finish_weight_update(version)
+
+
+def test_a_session_whose_ending_was_cancelled_is_still_ended_by_release(tmp_path, monkeypatch):
+    """The session's entry stays until its finish was answered: an update cancelled while the finish is in
+    flight leaves it to release(), so the next update's start is not refused as already active."""
+    transport = _transport(tmp_path, monkeypatch)
+    try:
+        engine = _HeldFinish()
+        key = (engine.base_url, 1)
+
+        async def scenario() -> None:
+            transport._sessions[key] = asyncio.ensure_future(engine.start_weight_update())
+            ending = asyncio.ensure_future(transport._end_session(engine, key))
+            while "finish-held" not in engine.names():
+                await asyncio.sleep(0.005)
+            ending.cancel()
+            await asyncio.wait({ending})
+            assert engine.active and key in transport._sessions  # not ended: left to release()
+            await transport.release(engine, 1)
+            assert not engine.active and key not in transport._sessions and "finish-empty" in engine.names()
+
+        asyncio.run(scenario())
+    finally:
+        transport.close(timeout_s=0.0, grace_s=0.0)

@@ -227,8 +227,8 @@ class GlooWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         if self.reloading:
             return
         began = time.perf_counter()
+        self.reloading = True  # before: a set-up that fails part-way is finalized too (update_weights' except)
         initialize_layerwise_reload(self.model)
-        self.reloading = True
         self.timings["setup"] = time.perf_counter() - began
 
     def finish_weight_update(self) -> None:

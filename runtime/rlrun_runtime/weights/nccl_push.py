@@ -173,10 +173,11 @@ class NcclPushTransport(PushTransport):
         """vLLM's NCCL engine replaces its group on the next init without destroying it: shut it down now."""
         await admin.shutdown_weight_transfer_engine()
 
-    async def load_into(self, admin: "VLLMAdmin", version: int) -> None:
+    async def load_into(self, admin: "VLLMAdmin", version: int) -> bool:
         """Push ``version`` (:meth:`PushTransport.load_into`). The load after a failed push (the update
         sequence's restore of the previous version) reads the storage copy; after
-        :data:`FAILURES_BEFORE_STORAGE` failed pushes in a row every load of that engine does.
+        :data:`FAILURES_BEFORE_STORAGE` failed pushes in a row every load of that engine does. Returns True
+        when the push named the version (its finish), False when the storage copy was loaded.
 
         Raises:
             EngineError: the push failed (counted for the engine), or the engine is not healthy.
@@ -189,9 +190,10 @@ class NcclPushTransport(PushTransport):
             self._from_storage_next.discard(url)
             why = (f"{failures} NCCL pushes to it failed in a row" if failures >= FAILURES_BEFORE_STORAGE
                    else "the last NCCL push to it failed")
-            return await self._fallback(admin, version, why)
+            await self._fallback(admin, version, why)
+            return False
         try:
-            await super().load_into(admin, version)
+            named = await super().load_into(admin, version)
         except EngineError:
             self.failed_pushes[url] = failures + 1
             self._from_storage_next.add(url)
@@ -201,3 +203,4 @@ class NcclPushTransport(PushTransport):
                 pass
             raise
         self.failed_pushes.pop(url, None)
+        return bool(named)

@@ -412,18 +412,28 @@ class PushTransport(FilesystemTransport):
         ``/finish_weight_update`` without a version. Called only where no ``update_weights`` of the session
         ran, so rlrun's gloo engine finalizes nothing (its finish touches no weight; vLLM's worker marks the
         session over). Also sent when the start failed (a timed-out start may still have opened the session;
-        a refused one opened none, and the finish's refusal is then expected). Never raises."""
-        started = started if started is not None else self._sessions.pop(key, None)
+        a refused one opened none, and the finish's refusal is then expected). The session's entry stays until
+        the finish was answered, so a caller cancelled meanwhile leaves it to :meth:`release`. Never raises
+        but cancellation."""
+        owned = started is None
+        started = started if started is not None else self._sessions.get(key)
         if started is None:
             return
-        await asyncio.wait({started})
-        start_failed = started.cancelled() or started.exception() is not None  # (retrieves the exception)
         try:
-            await admin.finish_weight_update()
-        except EngineError as err:
-            log.log(logging.INFO if start_failed else logging.WARNING,
-                    "engine %s: ending the unused weight-update session failed (%s): %s", admin.base_url,
-                    "its start had failed too" if start_failed else "the next update's start may be refused", err)
+            await asyncio.wait({started})
+            start_failed = started.cancelled() or started.exception() is not None  # (retrieves the exception)
+            try:
+                await admin.finish_weight_update()
+            except EngineError as err:
+                log.log(logging.INFO if start_failed else logging.WARNING,
+                        "engine %s: ending the unused weight-update session failed (%s): %s", admin.base_url,
+                        "its start had failed too" if start_failed else "the next update's start may be refused",
+                        err)
+        except asyncio.CancelledError:
+            raise
+        else:
+            if owned and self._sessions.get(key) is started:
+                del self._sessions[key]
 
     @staticmethod
     async def _give_up(store: Any, rid: int, why: str) -> None:
@@ -487,7 +497,7 @@ class PushTransport(FilesystemTransport):
         key = (admin.base_url, version)
         try:
             joined = await self._join_at(admin, version, *endpoint)
-        except EngineError:
+        except Exception:  # EngineError, or anything unforeseen: no session is left open behind it
             await self._end_session(admin, key)
             raise
         if isinstance(joined, str):  # the storage copy is loaded instead: no session needed
@@ -533,7 +543,12 @@ class PushTransport(FilesystemTransport):
         if accepted is None or not accepted["ok"]:
             return "trainer push service: " + ("no answer" if accepted is None else accepted["error"])
         url, limit = admin.base_url, request.timeout_s + 30.0
-        await self._before_init(admin, store, request)
+        try:
+            await self._before_init(admin, store, request)
+        except EngineError:
+            raise
+        except (RuntimeError, OSError) as err:  # the trainer's store went away: nothing started on the engine
+            return f"trainer push service {host}:{port} stopped answering ({err})"
         await admin.init_weight_transfer_engine(self._init_info(request, host, port, accepted), timeout_s=limit)
         try:
             checked = await asyncio.to_thread(_wait_json, store, proto.key_status(rid, "checked"), limit)

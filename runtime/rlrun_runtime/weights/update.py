@@ -20,7 +20,8 @@ This is the one module that orders these calls. What each failure leaves behind:
 - the version is checked (``WeightTransport.check_loadable``: present, every file whole, the served
   version's tensor names and shapes) before any engine is paused: bad weights pause nothing;
 - pause, version or prefix-cache reset failing (HTTP error, timeout): resume is still sent, the engine
-  serves the weights it holds (the previous ones when the load never ran);
+  serves the weights it holds (the previous ones when the load never ran); a push names the version in its
+  ``/finish_weight_update``, so there a failed version counts as a failed load (restored, as below);
 - the load failing after the pause: the previous version is loaded again (*restored*) and named, then
   resume; vLLM's in-place reload leaves parameters on the meta device when it fails part-way, and a resume
   into that state kills the engine on its next request. If the restore fails too (or there is no previous
