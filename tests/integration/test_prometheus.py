@@ -50,7 +50,9 @@ from unit.test_chart import (MONITORING_ON, get_meta_label, get_monitoring, get_
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 NAMESPACE = "local"          # what `rlrun local` sets as the run's namespace
 SCRAPE_INTERVAL = "1s"
-RATE_INTERVAL = "30s"        # what the dashboard's $__rate_interval stands for here (30 scrapes)
+# what the dashboard's $__rate_interval stands for here: wide enough that one timed weight update keeps the
+# latency quantiles a number while the test waits (a 30 s window went NaN between two slow steps on CI)
+RATE_INTERVAL = "5m"
 DEADLINE_S = 360.0           # vLLM on 2 loaded cores may take minutes to start
 GRAFANA_VARIABLES = {"$namespace": ".*", "$run": ".*", "$__rate_interval": RATE_INTERVAL}
 COMPARISON = re.compile(r"\s*(==|!=|>=|<=|>|<)\s*-?[0-9.]+(e[-+]?[0-9]+)?")
@@ -357,6 +359,11 @@ def test_prometheus_evaluates_every_dashboard_and_alert_expression(tmp_path: Pat
                 step = await query(f"{constants.OPERATOR_METRIC_RUN_STEP}{{{run}}} >= 1")
                 if not step:
                     problems.append("the operator has not re-exported a completed step yet")
+                # a weight update was timed inside the window: the latency quantiles are numbers, not NaN
+                latency = [float(series["value"][1]) for where, result in seen.items()
+                           if "Weight-update latency" in where for series in result]
+                if not latency or any(math.isnan(v) for v in latency):
+                    problems.append(f"the weight-update latency quantiles are not numbers yet: {latency}")
                 last[:] = problems
                 return None if problems else seen
 
