@@ -190,59 +190,47 @@ STOP_TIMEOUT_S = 5.0  # the stopped server's push timeout (gloo collectives and 
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_a_server_stopped_during_the_push_is_named_and_the_wait_is_bounded(setup):
-    """SIGSTOP of a server after the first bucket (a frozen node: its sockets stay open, nothing answers): the
+    """SIGSTOP of the server after the first bucket (a frozen node: its sockets stay open, nothing answers): the
     trainer's push ends within its timeout, the orchestrator's update fails within the timeout + 30 s of the
     trainer's answer (not after the 900 s reload bound) naming the server and leaving it out of service; woken
-    again, it takes the next version pushed; once it is killed no process of it survives. Its own server, storage and push service, so
-    the module's server and its push endpoint stay as they were."""
-    root = setup["root"] / "stopped"
-    storage = root / "storage"
-    started: list = []
-    with inference_server(setup["config"], storage, root.parent / "stopped-vllm.log", started) as url:
-        proc = started[0]
-        template = root / "template"
-        template.mkdir(parents=True)
-        for name in MODEL_FILES:
-            if (storage / "model" / name).is_file():
-                (template / name).write_bytes((storage / "model" / name).read_bytes())
-        transport = PushTransport(RunStorage(storage), timeout_s=STOP_TIMEOUT_S, bucket_bytes=BUCKET_BYTES)
+    again, it takes the next version pushed. The module's server (at version 2) and push service, with a 5 s
+    push timeout, versions 3 and 4; the test after this one kills the server."""
+    url, storage, transport, proc = setup["url"], setup["storage"], setup["transport"], setup["proc"]
+    module_timeout_s = transport.timeout_s
 
-        def stop_after_first(record, index, count):
-            if index == 0:
-                os.killpg(proc.pid, signal.SIGSTOP)
+    def stop_after_first(record, index, count):
+        if index == 0:
+            os.killpg(proc.pid, signal.SIGSTOP)
 
-        transport.start_service(on_bucket=stop_after_first)
-        try:
-            transport.publish(perturbed_state(storage / "model", seed=3), 1, template)
-            start = time.monotonic()
-            with pytest.raises(EngineError) as failure:
-                asyncio.run(update_engines([url], 1, transport, previous=0, timeout_s=5.0, retries=0))
-            elapsed = time.monotonic() - start
-            print(f"\nstopped server: update failed after {elapsed:.1f} s: {failure.value}")
-            assert url in str(failure.value) and url in failure.value.out_of_service
-            assert "has not answered (stopped or hung?)" in str(failure.value)  # the bound of the receive, not another step
-            record = next(iter(transport.service.records.values()))
-            assert record.finished.wait(STOP_TIMEOUT_S + 30)
-            assert record.seconds < STOP_TIMEOUT_S + 5.0  # the trainer's own wait, bounded by the push timeout
-            # the update: the trainer's answer within its timeout, then timeout + 30 s for the engine, then
-            # resume and the out-of-service report (5 s each for the HTTP calls), with room for a loaded machine
-            assert elapsed < 2 * STOP_TIMEOUT_S + 30.0 + 60.0, elapsed
+    transport.timeout_s, transport.service.on_bucket = STOP_TIMEOUT_S, stop_after_first
+    try:
+        transport.publish(perturbed_state(storage / "model", seed=3), 3, setup["template"])
+        start = time.monotonic()
+        with pytest.raises(EngineError) as failure:
+            asyncio.run(update_engines([url], 3, transport, previous=2, timeout_s=5.0, retries=0))
+        elapsed = time.monotonic() - start
+        print(f"\nstopped server: update failed after {elapsed:.1f} s: {failure.value}")
+        assert url in str(failure.value) and url in failure.value.out_of_service
+        assert "has not answered (stopped or hung?)" in str(failure.value)  # the bound of the receive, not another step
+        record = next(r for r in transport.service.records.values() if r.request.version == 3)
+        assert record.finished.wait(STOP_TIMEOUT_S + 30)
+        assert record.seconds < STOP_TIMEOUT_S + 5.0  # the trainer's own wait, bounded by the push timeout
+        # the update: the trainer's answer within its timeout, then timeout + 30 s for the engine, then
+        # resume and the out-of-service report (5 s each for the HTTP calls), with room for a loaded machine
+        assert elapsed < 2 * STOP_TIMEOUT_S + 30.0 + 60.0, elapsed
 
-            # Woken (SIGCONT: the node came back), it is updated again like any engine left out of service, and
-            # serves the new version: the interrupted receive left nothing behind that blocks the next one.
-            transport.service.on_bucket = None
-            os.killpg(proc.pid, signal.SIGCONT)
-            transport.publish(perturbed_state(storage / "model", seed=4), 2, template)
-            updates = asyncio.run(update_engines([url], 2, transport, previous=None, timeout_s=30.0))
-            assert [u.reported_version for u in updates] == [2] and transport.fallbacks == 0
-            assert record.request.version == 1 and any(r.request.version == 2 and r.error is None
-                                                       for r in transport.service.records.values())
-        finally:
-            transport.close(timeout_s=0.0, grace_s=0.0)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-                os.killpg(proc.pid, signal.SIGCONT)
-    assert group_gone(proc.pid, 30.0)
+        # Woken (SIGCONT: the node came back), it is updated again like any engine left out of service, and
+        # serves the new version: the interrupted receive left nothing behind that blocks the next one.
+        transport.service.on_bucket = None
+        os.killpg(proc.pid, signal.SIGCONT)
+        transport.publish(perturbed_state(storage / "model", seed=4), 4, setup["template"])
+        updates = asyncio.run(update_engines([url], 4, transport, previous=None, timeout_s=30.0))
+        assert [u.reported_version for u in updates] == [4] and transport.fallbacks == 0
+        assert any(r.request.version == 4 and r.error is None for r in transport.service.records.values())
+    finally:
+        transport.timeout_s, transport.service.on_bucket = module_timeout_s, None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGCONT)  # never leave the module's server frozen
 
 
 @pytest.mark.vllm
@@ -258,15 +246,15 @@ def test_a_server_killed_during_the_push_is_named_and_the_wait_is_bounded(setup)
             proc.wait(timeout=30)
 
     transport.service.on_bucket = kill_after_first
-    transport.publish(perturbed_state(storage / "model", seed=2), 3, setup["template"])
+    transport.publish(perturbed_state(storage / "model", seed=2), 5, setup["template"])
     start = time.monotonic()
     with pytest.raises(EngineError) as failure:
-        asyncio.run(update_engines([url], 3, transport, previous=2, timeout_s=5.0, retries=0))
+        asyncio.run(update_engines([url], 5, transport, previous=4, timeout_s=5.0, retries=0))
     elapsed = time.monotonic() - start
     assert url in str(failure.value) and url in failure.value.out_of_service
-    record = next(r for r in transport.service.records.values() if r.request.version == 3)
+    record = next(r for r in transport.service.records.values() if r.request.version == 5)
     assert record.finished.wait(30)
-    assert record.error is not None and url in record.error and "version 3" in record.error
+    assert record.error is not None and url in record.error and "version 5" in record.error
     assert record.seconds < 20.0 + 5.0  # bounded by the push's timeout
     assert elapsed < 120.0
     assert group_gone(proc.pid, 30.0)  # vLLM's engine core and worker died with it (reaped by init)

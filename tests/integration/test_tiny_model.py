@@ -1,4 +1,4 @@
-"""rlrun_runtime.tiny_model: built for real and loaded by transformers (vLLM serving it: tests/integration/test_inference.py)."""
+"""rlrun_runtime.tiny_model: built for real and loaded by transformers (vLLM serving it: tests/integration/test_vllm_admin_real.py)."""
 
 from __future__ import annotations
 

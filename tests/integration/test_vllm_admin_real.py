@@ -1,9 +1,11 @@
-"""The admin client and the weight update against a real vLLM server on CPU (one server for the module)."""
+"""The inference role's real vLLM server on CPU (one for the module): its token ids and logprobs, the admin client
+and the weight update."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import statistics
 import time
 
@@ -12,6 +14,7 @@ import pytest
 
 from rlrun_api import constants
 from rlrun_api.prometheus import get_samples
+from rlrun_runtime.environments.builtin import WORDS
 from rlrun_runtime.storage import RunStorage
 from rlrun_runtime.vllm_admin import EngineError, EngineOutOfService, VLLMAdmin, resolve_engines
 from rlrun_runtime.weights.filesystem import FilesystemTransport
@@ -56,6 +59,49 @@ def make_new_weights(storage, out, seed: int):
         for _ in range(GREEDY_TOKENS):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return prompt_ids, ids[len(prompt_ids):]
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_real_vllm_returns_token_ids_and_temperature_scaled_logprobs(engine):
+    """Completions through the role's vLLM carry the sampled token ids, and each logprob equals
+    log_softmax(logits / temperature) of the same weights computed with transformers (processed_logprobs);
+    a text prompt gets task words back from the warmed-up tiny model. First in the module: the engine still
+    serves the initial model (storage/model), which the weight updates below replace."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    url, storage, _ = engine
+    assert httpx.get(f"{url}/weight_info", timeout=10).json()["weight_version"] == "default", \
+        "run this test before the module's weight updates"
+    temperature = 0.7
+    tokenizer = AutoTokenizer.from_pretrained(storage / "model")
+    prompt_ids = tokenizer.encode("reverse: lake ten hill\nanswer:")
+    body = {"model": constants.SERVED_MODEL_NAME, "prompt": prompt_ids, "n": 4, "max_tokens": 8,
+            "temperature": temperature, "logprobs": 0, "return_token_ids": True, "seed": 1,
+            "cache_salt": "policy-0", "ignore_eos": True}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    # A text prompt through vLLM's own tokenisation: the warmed-up tiny model answers with task words.
+    greedy_reply = httpx.post(f"{url}/v1/completions", json={
+        "model": constants.SERVED_MODEL_NAME, "prompt": "reverse: cat dog owl\nanswer:", "max_tokens": 8,
+        "temperature": 0.0}, timeout=120).json()
+    words = greedy_reply["choices"][0]["text"].split()
+    assert words and set(words) <= set(WORDS), words
+    choices = reply["choices"]
+    assert len(choices) == 4
+    model = AutoModelForCausalLM.from_pretrained(storage / "model", dtype=torch.float32).eval()
+    for choice in choices:
+        ids, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+        assert choice["prompt_token_ids"] == prompt_ids
+        assert len(ids) == len(logprobs) == 8
+        assert all(math.isfinite(lp) and lp <= 0 for lp in logprobs)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1:-1]
+        expected = torch.log_softmax(logits.float() / temperature, dim=-1)[torch.arange(len(ids)), torch.tensor(ids)]
+        unscaled = torch.log_softmax(logits.float(), dim=-1)[torch.arange(len(ids)), torch.tensor(ids)]
+        assert torch.allclose(torch.tensor(logprobs), expected, atol=2e-3), (logprobs, expected.tolist())
+        # and it is distinguishable from the raw (temperature-free) logprobs
+        assert not torch.allclose(torch.tensor(logprobs), unscaled, atol=2e-3)
 
 
 @pytest.mark.vllm
