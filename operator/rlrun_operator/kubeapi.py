@@ -7,9 +7,7 @@ handle the RLRun custom resource. The `kubernetes` client still does the login: 
 refresh hook, proxy) is read on every request, and the request itself is sent with aiohttp on the
 operator's event loop. (Until 2026-12 the client's urllib3 transport was used from worker threads:
 0.77 ms of CPU per request against 0.29 ms now, measured against a local server, plus the thread hand-offs
-competing with the event loop for the GIL; see benchmarks/README.md.) Bodies and answers go through orjson
-(about a quarter of the stdlib's CPU for a run's children; see ``dump_json`` and ``load_json``). Every call has a
-total timeout.
+competing with the event loop for the GIL; see benchmarks/README.md.) Every call has a total timeout.
 """
 
 from __future__ import annotations
@@ -22,34 +20,10 @@ from typing import Any
 
 import aiohttp
 import kubernetes
-import orjson
 
 from rlrun_api import constants
 
 DEFAULT_TIMEOUT_S = 10.0
-
-
-def dump_json(body: Any) -> bytes:
-    """``body`` as compact JSON bytes: orjson, or the stdlib for what orjson refuses (an integer beyond 64 bits,
-    which a user's YAML may hold; the API server then answers with a clear error)."""
-    try:
-        return orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS)
-    except TypeError:
-        return json.dumps(body, separators=(",", ":")).encode()
-
-
-def load_json(raw: bytes) -> Any:
-    """The parsed answer. orjson reads an integer beyond 64 bits as a float, as the API server itself stores
-    one (apimachinery decodes a number into an int64 when it fits, else a float64); a number beyond float64
-    (``1e400``), which orjson refuses, is read by the stdlib (infinity).
-
-    Raises:
-        ValueError: ``raw`` is not JSON.
-    """
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return json.loads(raw)
 
 
 @dataclass(frozen=True)
@@ -192,7 +166,7 @@ class KubeApi:
                 server could not be reached or did not answer within ``timeout_s``.
         """
         config = self.api_client.configuration
-        data = None if body is None else dump_json(body)
+        data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
         headers = self._get_headers((content_type or "application/json") if body is not None else None)
         try:
             async with self._get_session().request(
@@ -205,11 +179,11 @@ class KubeApi:
         if not 200 <= status <= 299:
             message = ""
             try:
-                message = load_json(raw).get("message", "")
+                message = json.loads(raw).get("message", "")
             except (ValueError, AttributeError):
                 message = raw.decode("utf-8", "replace")[:500]
             raise ApiError(status, str(reason), message)
-        return load_json(raw) if raw else {}
+        return json.loads(raw) if raw else {}
 
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """The live object, or None when it does not exist (404)."""
