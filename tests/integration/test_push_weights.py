@@ -202,7 +202,8 @@ def test_a_server_stopped_during_the_push_is_named_and_the_wait_is_bounded(setup
         if index == 0:
             os.killpg(proc.pid, signal.SIGSTOP)
 
-    transport.timeout_s, transport.service.on_bucket = STOP_TIMEOUT_S, stop_after_first
+    service = transport.start_service()  # started by an earlier test's publish, unless this one runs alone
+    transport.timeout_s, service.on_bucket = STOP_TIMEOUT_S, stop_after_first
     try:
         transport.publish(perturbed_state(storage / "model", seed=3), 3, setup["template"])
         start = time.monotonic()
@@ -228,7 +229,7 @@ def test_a_server_stopped_during_the_push_is_named_and_the_wait_is_bounded(setup
         assert [u.reported_version for u in updates] == [4] and transport.fallbacks == 0
         assert any(r.request.version == 4 and r.error is None for r in transport.service.records.values())
     finally:
-        transport.timeout_s, transport.service.on_bucket = module_timeout_s, None
+        transport.timeout_s, service.on_bucket = module_timeout_s, None
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGCONT)  # never leave the module's server frozen
 
@@ -245,7 +246,7 @@ def test_a_server_killed_during_the_push_is_named_and_the_wait_is_bounded(setup)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
 
-    transport.service.on_bucket = kill_after_first
+    transport.start_service().on_bucket = kill_after_first  # started already, unless this test runs alone
     transport.publish(perturbed_state(storage / "model", seed=2), 5, setup["template"])
     start = time.monotonic()
     with pytest.raises(EngineError) as failure:
