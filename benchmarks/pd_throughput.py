@@ -15,10 +15,14 @@ the orchestrator sends for one step: ``--groups`` prompts of the example's envir
 requests built by ``rollouts.get_completion_request`` (the orchestrator's own builder) and all requests of
 the batch in flight at once through the router. Shapes: single server ``n: 8`` (what the orchestrator sends
 it) and ``n: 1``; P/D ``n: 1`` (what it sends there). One untimed batch per shape first, then ``--repeats``
-timed ones; the figure is the median batch. On P/D the decode server's NIXL transfer counter must grow by
-one per rollout (a refused hand-off is recomputed on decode and not counted), and the pair's first KV
-hand-off (``kv_handoff.send_handoff``, as the orchestrator sends it before its first batch) is timed apart.
-Prints a table and writes ``DIR/summary.json``.
+timed ones, over one keep-alive aiohttp session per shape (the orchestrator's client); the figure is the median
+batch. On P/D the decode server's NIXL transfer counter should grow by one per rollout (a refused hand-off is
+recomputed on decode and not counted; a WARNING line says so), and the pair's first KV hand-off
+(``kv_handoff.send_handoff``, as the orchestrator sends it before its first batch; it must be read over
+NIXL) is timed apart, before any completion through the router.
+On the single server the n: 1 batch is also sent with httpx (the client the orchestrator used until
+2026-12-03) and then with aiohttp, with the client's own CPU seconds. Prints a table and writes
+``DIR/summary.json``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import yaml
 
@@ -73,20 +78,27 @@ def get_batch(rlrun: dict[str, Any], tokenizer: Any, groups: int, n: int, first_
     return bodies
 
 
-async def send_batch(router: str, bodies: list[dict[str, Any]]) -> tuple[float, int, int]:
+async def send_batch(session: aiohttp.ClientSession, router: str, bodies: list[dict[str, Any]]
+                     ) -> tuple[float, int, int]:
     """All of ``bodies`` at once through ``router``: (seconds, rollouts returned, completion tokens)."""
-    limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        started = time.monotonic()
-        answers = await asyncio.gather(*(client.post(f"{router}/v1/completions", json=b) for b in bodies))
-        seconds = time.monotonic() - started
-    rollouts = tokens = 0
-    for answer in answers:
-        answer.raise_for_status()
-        body = answer.json()
-        rollouts += len(body["choices"])
-        tokens += int(body["usage"]["completion_tokens"])
-    return seconds, rollouts, tokens
+    async def one(body: dict[str, Any]) -> dict[str, Any]:
+        async with session.post(f"{router}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            return await response.json()
+
+    started = time.monotonic()
+    answers = await asyncio.gather(*(one(b) for b in bodies))
+    seconds = time.monotonic() - started
+    return (seconds, sum(len(a["choices"]) for a in answers),
+            sum(int(a["usage"]["completion_tokens"]) for a in answers))
+
+
+async def send_batches(router: str, batches: list[list[dict[str, Any]]]) -> list[tuple[float, int, int]]:
+    """The batches one after the other over one keep-alive aiohttp session, as the orchestrator's
+    ``_completions`` (a connection for every request of the largest batch)."""
+    connector = aiohttp.TCPConnector(limit=max(len(b) for b in batches))
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
+        return [await send_batch(session, router, bodies) for bodies in batches]
 
 
 def _healthy(url: str) -> bool:
@@ -112,7 +124,7 @@ def measure_topology(work: Path, disaggregated: bool, shapes: list[int], groups:
     from transformers import AutoTokenizer
 
     from rlrun_api import constants as c
-    from rlrun_runtime.kv_handoff import HANDOFF_TIMEOUT_S, read_nixl_counts, send_handoff
+    from rlrun_runtime.kv_handoff import HANDOFF_TIMEOUT_S, HandoffError, read_nixl_counts, send_handoff
     from rlrun_runtime.local import get_plan, load_run
     from rlrun_runtime.local.processes import Supervisor
     from rlrun_runtime.local.scaling import router_url, server_url
@@ -146,9 +158,13 @@ def measure_topology(work: Path, disaggregated: bool, shapes: list[int], groups:
         decode = next((server_url(s) for s in servers if s.component == c.COMPONENT_DECODE), None)
         if disaggregated:  # before any completion through the router, so that it is the pair's first
             prefill = next(server_url(s) for s in servers if s.component == c.COMPONENT_PREFILL)
-            started = time.monotonic()
-            send_handoff(prefill, decode, HANDOFF_TIMEOUT_S)
-            result["first_handoff_s"] = round(time.monotonic() - started, 2)
+            try:
+                handoff = send_handoff(prefill, decode, HANDOFF_TIMEOUT_S)
+            except HandoffError as err:
+                raise RuntimeError(f"{name}: the first KV hand-off failed: {err}") from err
+            if handoff.transfers < 1 or handoff.failed:
+                raise RuntimeError(f"{name}: the first KV hand-off was not read over NIXL: {handoff}")
+            result["first_handoff_s"] = round(handoff.seconds, 2)
         wait("the router", lambda: _answers(router_url(router)))
         result["start_s"] = round(time.monotonic() - t0, 1)
         print(f"{name}: {', '.join(result['servers'])} and the router up after {result['start_s']:.0f} s"
@@ -156,15 +172,13 @@ def measure_topology(work: Path, disaggregated: bool, shapes: list[int], groups:
               flush=True)
         task = 0
         for n in shapes:
-            runs = []
+            batches = [get_batch(rlrun, tokenizer, groups, n, task + groups * i) for i in range(repeats + 1)]
+            task += groups * (repeats + 1)
             before = read_nixl_counts(decode) if decode else None
-            for repeat in range(repeats + 1):  # the first batch of each shape is not timed
-                bodies = get_batch(rlrun, tokenizer, groups, n, task)
-                task += groups
-                seconds, rollouts, tokens = asyncio.run(send_batch(router_url(router), bodies))
-                if repeat:
-                    runs.append({"seconds": seconds, "rollouts": rollouts, "tokens": tokens, "requests": len(bodies)})
+            sent = asyncio.run(send_batches(router_url(router), batches))
             after = read_nixl_counts(decode) if decode else None
+            runs = [{"seconds": seconds, "rollouts": rollouts, "tokens": tokens, "requests": len(bodies)}
+                    for (seconds, rollouts, tokens), bodies in zip(sent[1:], batches[1:])]  # the first: untimed
             median = statistics.median(r["seconds"] for r in runs)
             shape = {"n": n, "requests_per_batch": runs[0]["requests"], "rollouts_per_batch": runs[0]["rollouts"],
                      "batch_s_median": round(median, 3), "batch_s": [round(r["seconds"], 3) for r in runs],
@@ -174,11 +188,50 @@ def measure_topology(work: Path, disaggregated: bool, shapes: list[int], groups:
                 shape["nixl_transfers"] = after[0] - before[0]
                 shape["nixl_failed"] = after[1] - before[1]
                 shape["nixl_per_rollout"] = round((after[0] - before[0]) / ((repeats + 1) * runs[0]["rollouts"]), 3)
+                if disaggregated and (shape["nixl_per_rollout"] != 1.0 or shape["nixl_failed"]):
+                    # a hand-off refused or lost is recomputed on decode: that would not be P/D's figure
+                    print(f"WARNING {name} n:{n}: {shape['nixl_transfers']:.0f} NIXL transfers, "
+                          f"{shape['nixl_failed']:.0f} failed, for {(repeats + 1) * runs[0]['rollouts']} rollouts")
             result["shapes"][f"n{n}"] = shape
             print(f"{name} n:{n}: {json.dumps(shape)}", flush=True)
+        if not disaggregated:  # the client library, at the shape of the most requests (n: 1)
+            result["clients"] = compare_clients(router_url(router), [get_batch(rlrun, tokenizer, groups, 1, task + groups * i)
+                                                                      for i in range(2 * (repeats + 1))])
+            print(f"{name} n:1, client: {json.dumps(result['clients'])}", flush=True)
     finally:
         supervisor.stop()
     return result
+
+
+def compare_clients(router: str, batches: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Median batch seconds and the client's CPU seconds per batch: the orchestrator's aiohttp session against
+    the httpx client it used before (``httpx.Limits(max_connections=batch, max_keepalive_connections=64)``),
+    one after the other, the first batch of each untimed."""
+    async def with_httpx(part: list[list[dict[str, Any]]]) -> list[float]:
+        size = max(len(b) for b in part)
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=size,
+                                                                      max_keepalive_connections=64)) as client:
+            async def one(body: dict[str, Any]) -> None:
+                (await client.post(f"{router}/v1/completions", json=body)).raise_for_status()
+
+            times = []
+            for bodies in part:
+                started = time.monotonic()
+                await asyncio.gather(*(one(b) for b in bodies))
+                times.append(time.monotonic() - started)
+            return times
+
+    async def with_aiohttp(part: list[list[dict[str, Any]]]) -> list[float]:
+        return [seconds for seconds, _, _ in await send_batches(router, part)]
+
+    half = len(batches) // 2
+    figures: dict[str, Any] = {}
+    for label, run, part in (("httpx", with_httpx, batches[:half]), ("aiohttp", with_aiohttp, batches[half:])):
+        cpu = time.process_time()
+        times = asyncio.run(run(part))[1:]
+        figures[label] = {"batch_s_median": round(statistics.median(times), 3),
+                          "client_cpu_s_per_batch": round((time.process_time() - cpu) / len(part), 3)}
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {label} | n: {shape['n']} | {shape['requests_per_batch']} | {shape['batch_s_median']:.3f} | "
               f"{shape['rollouts_per_s']:.1f} | {shape['tokens_per_s']:.1f} |")
     print(f"\nratios (rollouts/s): {ratios}")
+    clients = single.get("clients", {})
+    if clients:
+        print(f"one server, n: 1, client library: httpx (keep-alive 64) {clients['httpx']['batch_s_median']:.3f} s "
+              f"per batch, {clients['httpx']['client_cpu_s_per_batch']:.2f} CPU-s; aiohttp "
+              f"{clients['aiohttp']['batch_s_median']:.3f} s, {clients['aiohttp']['client_cpu_s_per_batch']:.2f} CPU-s")
     if "nixl_per_rollout" in p1:
         print(f"P/D: {p1['nixl_transfers']:.0f} NIXL transfers for {p1['rollouts_per_batch'] * (args.repeats + 1)} "
               f"rollouts, {p1['nixl_failed']:.0f} failed")
