@@ -15,13 +15,13 @@ the orchestrator sends for one step: ``--groups`` prompts of the example's envir
 requests built by ``rollouts.get_completion_request`` (the orchestrator's own builder) and all requests of
 the batch in flight at once through the router. Shapes: single server ``n: 8`` (what the orchestrator sends
 it) and ``n: 1``; P/D ``n: 1`` (what it sends there). One untimed batch per shape first, then ``--repeats``
-timed ones, over one keep-alive aiohttp session per shape (the orchestrator's client); the figure is the median
-batch. On P/D the decode server's NIXL transfer counter should grow by one per rollout (a refused hand-off is
+timed ones, over one keep-alive aiohttp session per shape (not httpx, whose own cost at this fan-out is
+measured apart, below); the figure is the median batch. On P/D the decode server's NIXL transfer counter should grow by one per rollout (a refused hand-off is
 recomputed on decode and not counted; a WARNING line says so), and the pair's first KV hand-off
 (``kv_handoff.send_handoff``, as the orchestrator sends it before its first batch; it must be read over
 NIXL) is timed apart, before any completion through the router.
-On the single server the n: 1 batch is also sent with httpx (the client the orchestrator used until
-2026-12-03) and then with aiohttp, with the client's own CPU seconds. Prints a table and writes
+On the single server the n: 1 batch is also sent with httpx (the orchestrator's client, with its limits) and then
+with aiohttp, with this process's CPU seconds (the client's). Prints a table and writes
 ``DIR/summary.json``.
 """
 
@@ -94,8 +94,8 @@ async def send_batch(session: aiohttp.ClientSession, router: str, bodies: list[d
 
 
 async def send_batches(router: str, batches: list[list[dict[str, Any]]]) -> list[tuple[float, int, int]]:
-    """The batches one after the other over one keep-alive aiohttp session, as the orchestrator's
-    ``_completions`` (a connection for every request of the largest batch)."""
+    """The batches one after the other over one keep-alive aiohttp session, with a connection for every
+    request of the largest batch (128 here; the orchestrator's httpx client allows ``max(64, batchSize)``)."""
     connector = aiohttp.TCPConnector(limit=max(len(b) for b in batches))
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
         return [await send_batch(session, router, bodies) for bodies in batches]
@@ -204,9 +204,10 @@ def measure_topology(work: Path, disaggregated: bool, shapes: list[int], groups:
 
 
 def compare_clients(router: str, batches: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """Median batch seconds and the client's CPU seconds per batch: the orchestrator's aiohttp session against
-    the httpx client it used before (``httpx.Limits(max_connections=batch, max_keepalive_connections=64)``),
-    one after the other, the first batch of each untimed."""
+    """Median batch seconds and this process's CPU seconds per batch (the client's, the untimed first batch
+    included): aiohttp against the orchestrator's httpx client
+    (``httpx.Limits(max_connections=batch, max_keepalive_connections=64)``), httpx first, the first batch of
+    each untimed."""
     async def with_httpx(part: list[list[dict[str, Any]]]) -> list[float]:
         size = max(len(b) for b in part)
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=size,

@@ -44,7 +44,6 @@ import time
 from pathlib import Path
 from typing import Any, Hashable, Mapping, Sequence
 
-import aiohttp
 import httpx
 
 from rlrun_api import constants
@@ -233,11 +232,7 @@ class Orchestrator:
         # what weights.update.write_serving_version last wrote: (version, out of service, KV-pending engines)
         self._recorded: tuple[int, tuple[str, ...], tuple[str, ...]] | None = None
         self.not_listening: set[str] = set()        # engines left out of the last weight round (starting)
-        self._client: httpx.AsyncClient | None = None        # health probes
-        # Completions go through aiohttp: with httpx 0.28 / httpcore 1.0 a pool of keep-alive connections cost
-        # the orchestrator ~1 s of CPU per batch of 128 concurrent requests and made each batch 4-9x slower
-        # on 2 cores, where aiohttp keeps them alive at ~0.06 s (benchmarks/README.md, "pd_throughput.py").
-        self._session: aiohttp.ClientSession | None = None
+        self._client: httpx.AsyncClient | None = None
         # spec.evaluation and spec.tracking (None when off): rlrun_runtime.evaluation, rlrun_runtime.tracking.
         self.held_out = held_out
         self.tracker = tracker
@@ -332,23 +327,6 @@ class Orchestrator:
             limits = httpx.Limits(max_connections=max(64, self.view.batch_size), max_keepalive_connections=64)
             self._client = httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits)
         return self._client
-
-    def _completions(self) -> aiohttp.ClientSession:
-        """The keep-alive session for completions (created in the running event loop), one connection per
-        request of a batch at most."""
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=max(64, self.view.batch_size)),
-                timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
-        return self._session
-
-    async def aclose(self) -> None:
-        """Close the HTTP clients (idempotent)."""
-        client, session, self._client, self._session = self._client, self._session, None, None
-        if client is not None:
-            await client.aclose()
-        if session is not None:
-            await session.close()
 
     # --- weights ------------------------------------------------------------------------------------
     def newest_published(self) -> int:
@@ -736,28 +714,22 @@ class Orchestrator:
         as the server sent them (:func:`parse_completion_choice` turns each into a completion or None).
 
         Raises:
-            OrchestratorError: still failing after ``REQUEST_RETRIES`` retries, a 4xx answer (not retried), or
-                fewer choices than ``n``.
-            ValueError: a 2xx answer that is not JSON.
+            OrchestratorError: still failing after ``REQUEST_RETRIES`` retries, or fewer choices than ``n``.
         """
-        last: str = ""
-        url = self._completion_url(engines)
+        last: Exception | None = None
         for attempt in range(REQUEST_RETRIES + 1):
             try:
-                async with self._completions().post(url, json=body) as response:
-                    status, raw = response.status, await response.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as err:  # connection refused, reset, timed out
-                last = f"{type(err).__name__}: {err}"
-            else:
-                if status < 400:
-                    choices = sorted(json.loads(raw)["choices"], key=lambda c: int(c.get("index", 0)))
+                response = await self._http().post(self._completion_url(engines), json=body)
+                if response.status_code < 500:
+                    response.raise_for_status()
+                    choices = sorted(response.json()["choices"], key=lambda c: int(c.get("index", 0)))
                     if len(choices) != int(body["n"]):
                         raise OrchestratorError(f"asked for n={body['n']} completions, got {len(choices)}")
                     return [choice if isinstance(choice, dict) else {} for choice in choices]
-                text = raw.decode("utf-8", "replace")[:200]
-                if status < 500:
-                    raise OrchestratorError(f"POST {url}: HTTP {status}: {text}")
-                last = f"HTTP {status}: {text}"
+                last = httpx.HTTPStatusError(f"HTTP {response.status_code}: {response.text[:200]}",
+                                             request=response.request, response=response)
+            except httpx.TransportError as err:
+                last = err
             await asyncio.sleep(0.5 * 2**attempt)
         raise OrchestratorError(f"completion request failed after {REQUEST_RETRIES + 1} attempts: {last}")
 
@@ -1077,7 +1049,8 @@ class Orchestrator:
         finally:
             if self.tracker:
                 self.tracker.close()
-            await self.aclose()
+            if self._client is not None:
+                await self._client.aclose()
 
 
 async def _in_daemon_thread(fn: Any, *args: Any) -> Any:
