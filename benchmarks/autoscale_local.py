@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     timeline: list[dict[str, Any]] = []
     phase = {"name": "warm-up"}
     try:
-        while not _answers(router_url(scalable.router)):
+        while not router_answers(router_url(scalable.router)):
             if supervisor.check() is not None or time.monotonic() - t0 > 600:
                 print("servers did not start:", supervisor.check())
                 return 1
@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _answers(router: str) -> bool:
+def router_answers(router: str) -> bool:
+    """A one-token completion through ``router`` answers 200 (False while it or its servers are not up)."""
     from rlrun_api import constants as c
 
     try:

@@ -43,6 +43,9 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the benchmarks package is importable from the root
+    sys.path.insert(0, str(ROOT))
+from benchmarks.autoscale_local import router_answers  # noqa: E402
 START_TIMEOUT_S = 600.0
 
 
@@ -108,17 +111,6 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _answers(router: str) -> bool:
-    from rlrun_api import constants as c
-
-    try:
-        r = httpx.post(f"{router}/v1/completions", json={"model": c.SERVED_MODEL_NAME, "prompt": "hi", "max_tokens": 1},
-                       timeout=30)
-        return r.status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def measure_topology(work: Path, disaggregated: bool, shapes: list[int], groups: int, repeats: int
                      ) -> dict[str, Any]:
     from transformers import AutoTokenizer
@@ -165,7 +157,7 @@ def measure_topology(work: Path, disaggregated: bool, shapes: list[int], groups:
             if handoff.transfers < 1 or handoff.failed:
                 raise RuntimeError(f"{name}: the first KV hand-off was not read over NIXL: {handoff}")
             result["first_handoff_s"] = round(handoff.seconds, 2)
-        wait("the router", lambda: _answers(router_url(router)))
+        wait("the router", lambda: router_answers(router_url(router)))
         result["start_s"] = round(time.monotonic() - t0, 1)
         print(f"{name}: {', '.join(result['servers'])} and the router up after {result['start_s']:.0f} s"
               + (f" (the pair's first KV hand-off: {result['first_handoff_s']:.1f} s)" if disaggregated else ""),
