@@ -111,6 +111,30 @@ def test_warm_up_leaves_headroom_for_rl(model_dir):
     assert len(set(rewards)) > 5  # graded rewards, not all-or-nothing
 
 
+def test_warm_up_stops_at_the_measured_competence(model_dir):
+    """The warm-up ends at its stop rule, well before its cap, and the recorded check holds on the saved model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlrun_runtime.environments.builtin import ReverseWords
+
+    record = json.loads((model_dir / "rlrun-tiny.json").read_text())
+    assert tiny_model.WARMUP_EVAL_FROM <= record["warmup_steps"] < tiny_model.WARMUP_MAX_STEPS, record
+    assert tiny_model.WARMUP_STOP_EXACT <= record["warmup_exact_rate"] < 0.5, record  # partly right: headroom
+    held_out = ReverseWords(seed=tiny_model.WARMUP_EVAL_SEED, min_words=tiny_model.WARMUP_MAX_WORDS,
+                            max_words=tiny_model.WARMUP_MAX_WORDS)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the build runs: the same kernels, the same rounding
+    try:
+        rate = tiny_model.get_sampled_exact_rate(
+            AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir), held_out,
+            tiny_model.WARMUP_EVAL_PROMPTS, tiny_model.WARMUP_EVAL_SAMPLES, seed=tiny_model.WARMUP_EVAL_SEED)
+    finally:
+        torch.set_num_threads(threads)
+    assert rate == record["warmup_exact_rate"]  # the same seeded check, on the weights as saved
+
+
 def test_ensure_model_builds_tiny_once_and_passes_others_through(model_dir, tmp_path):
     storage = RunStorage(tmp_path / "run")
     path = tiny_model.ensure_model(constants.TINY_MODEL_NAME, storage)
