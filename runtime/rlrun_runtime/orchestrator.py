@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any, Hashable, Mapping, Sequence
 
+import aiohttp
 import httpx
 
 from rlrun_api import constants
@@ -232,7 +233,12 @@ class Orchestrator:
         # what weights.update.write_serving_version last wrote: (version, out of service, KV-pending engines)
         self._recorded: tuple[int, tuple[str, ...], tuple[str, ...]] | None = None
         self.not_listening: set[str] = set()        # engines left out of the last weight round (starting)
-        self._client: httpx.AsyncClient | None = None
+        self._client: httpx.AsyncClient | None = None  # health probes
+        # Completions go through aiohttp: with httpx 0.28 / httpcore 1.0 a pool of keep-alive connections cost
+        # the orchestrator ~1.5 s of CPU per batch of 128 concurrent requests and made each batch 6x slower on 2
+        # cores, where aiohttp keeps them alive at ~0.06 s (benchmarks/README.md, "pd_throughput.py"). A session
+        # belongs to the event loop it was made in, so it is kept with that loop.
+        self._session: tuple[asyncio.AbstractEventLoop, aiohttp.ClientSession] | None = None
         # spec.evaluation and spec.tracking (None when off): rlrun_runtime.evaluation, rlrun_runtime.tracking.
         self.held_out = held_out
         self.tracker = tracker
@@ -327,6 +333,30 @@ class Orchestrator:
             limits = httpx.Limits(max_connections=max(64, self.view.batch_size), max_keepalive_connections=64)
             self._client = httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits)
         return self._client
+
+    def _completions(self) -> aiohttp.ClientSession:
+        """The keep-alive session for completions, made in the running event loop (a new one in a new loop).
+
+        As many connections as a batch has requests (at least 64). Timeouts as httpx's ``timeout=600`` above:
+        REQUEST_TIMEOUT_S to connect and between reads, no total, so a request queued behind a long weight
+        update is not cut short.
+        """
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session[0] is not loop or self._session[1].closed:
+            session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=max(64, self.view.batch_size)),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=REQUEST_TIMEOUT_S,
+                                              sock_read=REQUEST_TIMEOUT_S))
+            self._session = (loop, session)
+        return self._session[1]
+
+    async def aclose(self) -> None:
+        """Close the HTTP clients (idempotent); call it in the event loop that used them."""
+        client, session, self._client, self._session = self._client, self._session, None, None
+        if client is not None:
+            await client.aclose()
+        if session is not None and session[0] is asyncio.get_running_loop():
+            await session[1].close()
 
     # --- weights ------------------------------------------------------------------------------------
     def newest_published(self) -> int:
@@ -710,26 +740,33 @@ class Orchestrator:
         return f"{engines[next(self._round_robin) % len(engines)]}/v1/completions"
 
     async def _complete(self, body: dict[str, Any], engines: Sequence[str]) -> list[dict[str, Any]]:
-        """POST one completions request (retried on transport errors and 5xx); its choices in index order,
-        as the server sent them (:func:`parse_completion_choice` turns each into a completion or None).
+        """POST one completions request (retried on transport errors, timeouts and 5xx, each attempt to the
+        next engine when there is no router); its choices in index order, as the server sent them
+        (:func:`parse_completion_choice` turns each into a completion or None).
 
         Raises:
-            OrchestratorError: still failing after ``REQUEST_RETRIES`` retries, or fewer choices than ``n``.
+            OrchestratorError: still failing after ``REQUEST_RETRIES`` retries; any other answer than 2xx or 5xx
+                (4xx, or a redirect, which is not followed; not retried); fewer choices than ``n``.
+            ValueError: a 2xx answer that is not JSON.
         """
-        last: Exception | None = None
+        last = ""
         for attempt in range(REQUEST_RETRIES + 1):
+            url = self._completion_url(engines)
             try:
-                response = await self._http().post(self._completion_url(engines), json=body)
-                if response.status_code < 500:
-                    response.raise_for_status()
-                    choices = sorted(response.json()["choices"], key=lambda c: int(c.get("index", 0)))
+                async with self._completions().post(url, json=body, allow_redirects=False) as response:
+                    status, raw = response.status, await response.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as err:  # refused, reset, timed out
+                last = f"POST {url}: {type(err).__name__}: {err}"
+            else:
+                if 200 <= status < 300:
+                    choices = sorted(json.loads(raw)["choices"], key=lambda c: int(c.get("index", 0)))
                     if len(choices) != int(body["n"]):
                         raise OrchestratorError(f"asked for n={body['n']} completions, got {len(choices)}")
                     return [choice if isinstance(choice, dict) else {} for choice in choices]
-                last = httpx.HTTPStatusError(f"HTTP {response.status_code}: {response.text[:200]}",
-                                             request=response.request, response=response)
-            except httpx.TransportError as err:
-                last = err
+                text = raw.decode("utf-8", "replace")[:200]
+                if status < 500:
+                    raise OrchestratorError(f"POST {url}: HTTP {status}: {text}")
+                last = f"POST {url}: HTTP {status}: {text}"
             await asyncio.sleep(0.5 * 2**attempt)
         raise OrchestratorError(f"completion request failed after {REQUEST_RETRIES + 1} attempts: {last}")
 
@@ -1049,8 +1086,7 @@ class Orchestrator:
         finally:
             if self.tracker:
                 self.tracker.close()
-            if self._client is not None:
-                await self._client.aclose()
+            await self.aclose()
 
 
 async def _in_daemon_thread(fn: Any, *args: Any) -> Any:

@@ -169,6 +169,65 @@ class WordTask:
     prompt = "a b"
 
 
+class ScriptedCompletions(http.server.ThreadingHTTPServer):
+    """``POST /v1/completions`` answered with the next status of ``script`` (200: one choice), each call recorded."""
+
+    def __init__(self, script):
+        self.script, self.calls = list(script), []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                server.calls.append(self.path)
+                status = server.script.pop(0)
+                body = json.dumps({"choices": [{"index": 0, "text": "a"}]} if status == 200 else
+                                  {"error": f"scripted {status}"}).encode()
+                self.send_response(status)
+                if 300 <= status < 400:
+                    self.send_header("Location", f"http://{LOOPBACK}:{server.server_address[1]}/elsewhere")
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__((LOOPBACK, 0), Handler)
+        self.url = f"http://{LOOPBACK}:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+@pytest.mark.parametrize("first, second", [([503, 200], [200]), ([302], []), ([404], [])])
+def test_completions_retry_5xx_on_the_next_engine_and_fail_at_once_on_4xx_or_a_redirect(tmp_path, first, second):
+    from rlrun_runtime.orchestrator import Orchestrator, OrchestratorError
+    from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
+
+    engines = [ScriptedCompletions(first), ScriptedCompletions(second)]
+    orchestrator = Orchestrator(orchestrator_view(), RunStorage(tmp_path), StandInEnv(), StandInTokenizer(),
+                                [e.url.removeprefix("http://") for e in engines], None, OrchestratorMetrics(max_steps=5))
+
+    async def complete():
+        try:
+            return await orchestrator._complete({"n": 1, "prompt": [1]}, [e.url for e in engines])
+        finally:
+            await orchestrator.aclose()
+
+    try:
+        if first[0] == 503:  # retried, and the retry goes to the other engine (round robin, no router)
+            assert asyncio.run(complete()) == [{"index": 0, "text": "a"}]
+            assert [len(e.calls) for e in engines] == [1, 1]
+        else:
+            with pytest.raises(OrchestratorError, match=rf"POST {engines[0].url}/v1/completions: HTTP {first[0]}"):
+                asyncio.run(complete())
+            assert [e.calls for e in engines] == [["/v1/completions"], []]  # no retry, no redirect followed
+    finally:
+        for engine in engines:
+            engine.shutdown()
+            engine.server_close()
+
+
 class StandInEnv:
     def task(self, index):
         return WordTask()
@@ -198,7 +257,7 @@ def test_a_group_is_one_request_with_n_choices_unless_disaggregated(tmp_path, fa
         try:
             return await orchestrator.generate_group(3, [f"http://{address}"])
         finally:
-            await orchestrator._http().aclose()
+            await orchestrator.aclose()
 
     group = asyncio.run(generate())
     requests = [body for path, body in engine.calls if path == "/v1/completions"]
@@ -245,7 +304,7 @@ def test_no_request_is_stamped_with_the_old_version_during_a_weight_update(tmp_p
             await update
             return before, during
         finally:
-            await orchestrator._http().aclose()
+            await orchestrator.aclose()
 
     before, during = asyncio.run(scenario())
     order = paths(engine)
@@ -534,7 +593,7 @@ def run_batch_loop(orchestrator, next_step=1, cursor=0, streak=0):
         try:
             await orchestrator.batch_loop(next_step, cursor, streak)
         finally:
-            await orchestrator._http().aclose()
+            await orchestrator.aclose()
 
     asyncio.run(scenario())
 
@@ -547,7 +606,7 @@ def test_truncated_and_null_token_id_choices_are_kept_apart_and_counted(tmp_path
         try:
             return await orchestrator.make_batch(1, 0)
         finally:
-            await orchestrator._http().aclose()
+            await orchestrator.aclose()
 
     batch, cursor = asyncio.run(make())  # a null token id used to raise out of make_batch here
     metrics = orchestrator.metrics.registry.get_sample_value
@@ -567,7 +626,7 @@ def test_truncation_mask_leaves_cut_completions_out_of_the_batch(tmp_path, fake_
         try:
             return await orchestrator.make_batch(1, 0)
         finally:
-            await orchestrator._http().aclose()
+            await orchestrator.aclose()
 
     batch, _ = asyncio.run(make())
     assert batch["samples"] and {s["finish_reason"] for s in batch["samples"]} == {"stop"}
@@ -750,7 +809,7 @@ def test_the_loop_wait_counters_follow_the_gate_and_the_trainers_metrics(tmp_pat
             watcher.cancel()
             batches.cancel()
             await asyncio.gather(watcher, batches, return_exceptions=True)
-            await orchestrator._http().aclose()
+            await orchestrator.aclose()
 
     trainer_wait_s, gate_wait_s = asyncio.run(scenario())
     batches = [json.loads(storage.rollout_batch(step).read_text()) for step in (1, 2, 3)]

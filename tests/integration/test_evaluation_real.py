@@ -97,8 +97,7 @@ def test_evaluation_records_the_greedy_reward_and_the_policy_version_it_ran_on(t
                     info = (await client.get(f"{engine_url}/weight_info", timeout=10)).json()
                     return first, reference, second, bodies, info
                 finally:
-                    if orchestrator._client is not None:
-                        await orchestrator._client.aclose()
+                    await orchestrator.aclose()
 
         first, reference, second, bodies, info = asyncio.run(scenario())
 
