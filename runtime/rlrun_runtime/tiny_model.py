@@ -3,7 +3,7 @@
 A Qwen3-architecture causal LM (transformers ``Qwen3Config``/``Qwen3ForCausalLM``) with random weights from
 a seed, a byte-level BPE tokenizer trained with ``tokenizers`` on reverse-words text (every task word
 becomes one token), and a short supervised warm-up on reverse-words, stopped at a measured competence, so that
-RL starts with a signal but with headroom (mean sampled reward near 0.5 at temperature 1). The result is an HF directory
+RL starts with a signal but with headroom (about half of its sampled answers exact at temperature 1). The result is an HF directory
 (config.json, model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json) that both
 vLLM (CPU) and transformers load.
 
@@ -11,7 +11,7 @@ Sizes: hidden 128, 2 layers, 2 attention heads of 64 and 1 KV head, because vLLM
 head_dim >= 64 (measured, see the field notes).
 
 Builds are cached under ``$XDG_CACHE_HOME/rlrun`` (or ``~/.cache/rlrun``), keyed by ``MODEL_VERSION`` and
-the seed, and copied from there, so only the first build on a machine pays its 10-20 s.
+the seed, and copied from there, so only the first build on a machine pays its ~20-40 s.
 
 ``rlrun-runtime make-tiny-model OUT [--seed N]`` builds one into OUT.
 """
@@ -36,7 +36,7 @@ from .storage import RunStorage, atomic_directory
 
 # Bump whenever the build code changes the built files; the cache key also hashes every size and
 # warm-up constant below (see cache_key), so tuning one of them can never reuse a stale cache entry.
-MODEL_VERSION = "4"
+MODEL_VERSION = "5"
 
 EOS_TOKEN = "<|endoftext|>"
 VOCAB_SIZE = 512           # tokenizer vocabulary upper bound and the embedding size
@@ -49,13 +49,13 @@ HEAD_DIM = 64              # vLLM CPU attention needs >= 64
 MAX_POSITIONS = 256
 
 # Supervised warm-up on reverse-words (teacher forcing on the answer tokens only, label smoothing), stopped at a
-# measured competence rather than after a fixed step count. Why: the warm-up's loss falls off a cliff (measured on
-# an Intel Xeon without smoothing: 1.16 at step 90, 0.25 at step 110), and where on that cliff a fixed step count
-# lands depends on the CPU's float32 rounding (AVX2 or AVX-512); RL then either learns the 4-word reversals or only
-# the 3-word ones (benchmarks/README.md, "the warm-up's stop"). Label smoothing 0.2 keeps the sampled policy broad
-# (RL starts near reward 0.47 instead of 0.63 and sharpens it), and stopping once WARMUP_STOP_EXACT of sampled
-# 4-word answers are exact gives every CPU the same starting competence.
-WARMUP_MAX_STEPS = 400     # cap of the warm-up; the stop rule ends it near step 120 (a Xeon, 2026-12-04)
+# measured competence rather than after a fixed step count. Why: without smoothing the warm-up's loss falls off a
+# cliff (measured on an Intel Xeon: 1.16 at step 90, 0.25 at step 110), and where on that cliff a fixed step
+# count lands depends on the CPU's float32 rounding (AVX2 or AVX-512); RL then either learns the 4-word reversals
+# or only the 3-word ones (benchmarks/README.md, "the warm-up's stop"). Stopping once WARMUP_STOP_EXACT of the
+# sampled 4-word answers are exact is meant to give every CPU the same starting competence (measured on Intel
+# Xeons only). Label smoothing (over the tokenizer's ids, get_warmup_loss) keeps the sampled policy broad.
+WARMUP_MAX_STEPS = 400     # cap of the warm-up; the stop rule ends it at step 214 (a Xeon, 2026-12-04)
 WARMUP_BATCH = 32
 WARMUP_MIN_WORDS = 2       # the warm-up practises 2..4 words; the embedded default asks RL for 3..4
 WARMUP_MAX_WORDS = 4
@@ -65,13 +65,15 @@ WARMUP_TASK_SEED = 10_000  # the warm-up's prompts come from their own stream, n
 # The stop rule: every WARMUP_EVAL_EVERY steps from WARMUP_EVAL_FROM on, sample WARMUP_EVAL_SAMPLES answers at
 # temperature 1 for each of WARMUP_EVAL_PROMPTS held-out prompts of WARMUP_MAX_WORDS words (their own stream,
 # WARMUP_EVAL_SEED; a seeded generator, so the check is deterministic); stop once at least WARMUP_STOP_EXACT of
-# them are exact. 0.08 was the best of the stops simulated (benchmarks/README.md).
+# them are exact. 0.25: of the stops simulated (8.6 %, 15.6 %, 25.4 %; benchmarks/recipe_sim.py, 8 seeds each) the
+# only one where every seed learned most 4-word reversals (94-99 % exact at the end); lower stops start RL lower
+# (more gain) but 1 to 5 of 8 seeds learned only part of them (46-58 %).
 WARMUP_EVAL_FROM = 60
 WARMUP_EVAL_EVERY = 2
 WARMUP_EVAL_PROMPTS = 64
 WARMUP_EVAL_SAMPLES = 4
 WARMUP_EVAL_SEED = 20_000
-WARMUP_STOP_EXACT = 0.08
+WARMUP_STOP_EXACT = 0.25
 
 # A minimal chat template so that chat prompts (reasoning-gym, verifiers) also render for the tiny model.
 CHAT_TEMPLATE = (
@@ -188,17 +190,34 @@ def get_warmup_batch(tokenizer: Any, env: ReverseWords, start: int, size: int) -
 
 def get_sampled_exact_rate(model: Any, tokenizer: Any, env: ReverseWords, prompts: int, samples: int,
                            seed: int, max_new_tokens: int = WARMUP_MAX_WORDS + 1) -> float:
-    """Fraction of exact answers among ``samples`` completions per task ``0..prompts-1`` of ``env``, in [0, 1].
+    """Fraction of exact answers among sampled completions of reverse-words tasks (the warm-up's stop rule).
 
-    Sampled at temperature 1 from the full softmax (as RL samples them) with a ``torch.Generator`` seeded by
-    ``seed``, ``max_new_tokens`` tokens at most (each task word is one token, plus EOS), scored with
-    ``env.score`` (exact = 1.0). All prompts of ``env`` must have the same length (no padding is used).
+    Args:
+        model: a causal LM (``input_ids`` [B, T] -> ``logits`` [B, T, V]); left in the train/eval mode it had.
+        tokenizer: its tokenizer (``encode``, ``decode``, ``eos_token_id``).
+        env: the tasks; ``env.task(i)`` for i in ``0..prompts-1``, all of one prompt length (no padding).
+        prompts, samples: tasks, and completions per task (both >= 1).
+        seed: seeds the ``torch.Generator`` of the sampling, so the rate is deterministic for given weights.
+        max_new_tokens: completion length cap (each task word is one token, plus EOS).
+
+    Completions are sampled at temperature 1 from the full softmax (as RL samples them), cut at EOS, decoded
+    and scored with ``env.score`` (exact = 1.0).
+
+    Returns:
+        exact completions / (prompts * samples), in [0, 1].
+
+    Raises:
+        ValueError: ``prompts`` or ``samples`` below 1, or prompts of different token lengths.
     """
     import torch
 
-    generator = torch.Generator().manual_seed(seed)
+    if prompts < 1 or samples < 1:
+        raise ValueError(f"prompts and samples must be >= 1, got {prompts} and {samples}")
     tasks = [env.task(i) for i in range(prompts)]
     rows = [tokenizer.encode(task.prompt) for task in tasks for _ in range(samples)]
+    if len({len(row) for row in rows}) != 1:
+        raise ValueError("the prompts encode to different lengths; use tasks of one word count")
+    generator = torch.Generator().manual_seed(seed)
     ids = torch.tensor(rows)
     was_training = model.training
     model.eval()
@@ -217,11 +236,43 @@ def get_sampled_exact_rate(model: Any, tokenizer: Any, env: ReverseWords, prompt
     return exact / len(rows)
 
 
+def get_warmup_loss(logits: Any, labels: Any, vocab: int, smoothing: float = WARMUP_LABEL_SMOOTHING) -> Any:
+    """Cross-entropy of next-token prediction with label smoothing over the tokenizer's ids only (a scalar).
+
+    Args:
+        logits: ``[B, T, V]`` (any float dtype; computed in float32); position t predicts token t + 1.
+        labels: ``[B, T]`` int64 token ids, -100 where nothing is learned (prompt, padding).
+        vocab: the tokenizer's size; ids ``>= vocab`` (the embedding's spare rows) never occur in text, so
+            the smoothing mass goes to ids ``< vocab`` only (torch's ``label_smoothing`` would spread it over all
+            ``V`` and teach the model to sample ids that decode to nothing).
+        smoothing: epsilon: ``(1 - eps) * NLL(target) + eps * mean over ids < vocab of -log p(id)``.
+
+    Returns:
+        the mean over learned positions (shifted as transformers' causal-LM loss: logits[:, :-1] vs labels[:, 1:]).
+
+    Raises:
+        ValueError: no learned position, or ``vocab`` not in ``1..V``.
+    """
+    import torch
+
+    if not 1 <= vocab <= logits.shape[-1]:
+        raise ValueError(f"vocab must be in 1..{logits.shape[-1]}, got {vocab}")
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    targets = labels[:, 1:]
+    learned = targets != -100
+    if not bool(learned.any()):
+        raise ValueError("no position to learn: every label is -100")
+    nll = -logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    uniform = -logp[..., :vocab].mean(dim=-1)
+    return ((1.0 - smoothing) * nll + smoothing * uniform)[learned].mean()
+
+
 def warm_up(model: Any, tokenizer: Any, max_steps: int = WARMUP_MAX_STEPS, seed: int = 0) -> dict[str, Any]:
     """Supervised warm-up on reverse-words until the stop rule holds (module constants) or ``max_steps``.
 
-    AdamW at constant lr WARMUP_LR, cross-entropy with label smoothing WARMUP_LABEL_SMOOTHING on the answer
-    tokens, gradients clipped to norm 1. Returns ``{"steps": optimizer steps taken, "exact_rate": the last
+    AdamW at constant lr WARMUP_LR, :func:`get_warmup_loss` (label smoothing WARMUP_LABEL_SMOOTHING) on the
+    answer tokens, gradients clipped to norm 1. The checks sample prompts of ``WARMUP_EVAL_SEED + seed`` with a
+    generator seeded by ``WARMUP_EVAL_SEED``. Returns ``{"steps": optimizer steps taken, "exact_rate": the last
     check's sampled exact rate of WARMUP_MAX_WORDS-word answers (None if none ran), "losses": per step}``.
     """
     import torch
@@ -234,9 +285,8 @@ def warm_up(model: Any, tokenizer: Any, max_steps: int = WARMUP_MAX_STEPS, seed:
     exact_rate = None
     for step in range(1, max_steps + 1):
         input_ids, mask, labels = get_warmup_batch(tokenizer, env, (step - 1) * WARMUP_BATCH, WARMUP_BATCH)
-        logits = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1].float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                                                 ignore_index=-100, label_smoothing=WARMUP_LABEL_SMOOTHING)
+        loss = get_warmup_loss(model(input_ids=input_ids, attention_mask=mask).logits, labels, len(tokenizer),
+                               smoothing=WARMUP_LABEL_SMOOTHING)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -251,11 +301,11 @@ def warm_up(model: Any, tokenizer: Any, max_steps: int = WARMUP_MAX_STEPS, seed:
     return {"steps": len(losses), "exact_rate": exact_rate, "losses": losses}
 
 
-def create_tiny_model_files(out_dir: Path, seed: int = 0, warmup_steps: int = WARMUP_MAX_STEPS) -> None:
+def create_tiny_model_files(out_dir: Path, seed: int = 0, warmup_max_steps: int = WARMUP_MAX_STEPS) -> None:
     """Build the tokenizer, the seeded random model and its warm-up, and save them into ``out_dir``.
 
-    ``warmup_steps`` caps the warm-up (0: none, a random model); ``rlrun-tiny.json`` records the steps it took
-    and its last sampled exact rate.
+    ``warmup_max_steps`` caps the warm-up (0: none, a random model); ``rlrun-tiny.json`` records the steps it
+    took and its last sampled exact rate, and a warning on stderr says when the cap ended it before the stop rule.
 
     Runs on one torch thread (restored afterwards) so that the result depends only on the seed.
     """
@@ -271,7 +321,11 @@ def create_tiny_model_files(out_dir: Path, seed: int = 0, warmup_steps: int = WA
         tokenizer = train_tokenizer(get_tokenizer_corpus())
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(get_model_config(tokenizer.eos_token_id))
-        warmed = warm_up(model, tokenizer, max_steps=warmup_steps, seed=seed)
+        warmed = warm_up(model, tokenizer, max_steps=warmup_max_steps, seed=seed)
+        if warmup_max_steps and (warmed["exact_rate"] or 0.0) < WARMUP_STOP_EXACT:
+            print(f"rlrun-tiny: the warm-up stopped at its cap of {warmup_max_steps} steps with "
+                  f"{warmed['exact_rate'] or 0.0:.1%} of sampled {WARMUP_MAX_WORDS}-word answers exact (the stop rule "
+                  f"asks for {WARMUP_STOP_EXACT:.0%}); RL will start weaker", file=sys.stderr)
         model.save_pretrained(out_dir, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)
         # Only token ids: vLLM applies sampling defaults found in generation_config.json, and rlrun's
@@ -279,7 +333,7 @@ def create_tiny_model_files(out_dir: Path, seed: int = 0, warmup_steps: int = WA
         GenerationConfig(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.eos_token_id).save_pretrained(out_dir)
         (out_dir / "rlrun-tiny.json").write_text(json.dumps(
-            {**get_build_parameters(seed), "warmup_max_steps": warmup_steps, "warmup_steps": warmed["steps"],
+            {**get_build_parameters(seed), "warmup_max_steps": warmup_max_steps, "warmup_steps": warmed["steps"],
              "warmup_exact_rate": warmed["exact_rate"]}, sort_keys=True), encoding="utf-8")
     finally:
         torch.set_num_threads(threads)

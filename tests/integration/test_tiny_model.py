@@ -67,7 +67,7 @@ def test_build_is_deterministic_and_depends_on_the_seed(model_dir, tmp_path):
     assert (fresh / "tokenizer.json").read_text() == (model_dir / "tokenizer.json").read_text()
     other = tmp_path / "other"
     other.mkdir()
-    tiny_model.create_tiny_model_files(other, seed=1, warmup_steps=0)
+    tiny_model.create_tiny_model_files(other, seed=1, warmup_max_steps=0)
     assert (other / "model.safetensors").read_bytes() != (model_dir / "model.safetensors").read_bytes()
 
 
