@@ -11,14 +11,16 @@ vLLM: the tiny model as built by ``rlrun_runtime.tiny_model`` (its warm-up const
 reverse-words tasks and score, the orchestrator's batch rounds (``plan_group_count``, at most
 ``MAX_ROUNDS_PER_BATCH``) and ``assemble_batch`` (staleness, leftover groups, truncation, groups with all-equal
 rewards left out), the trainer's ``policy_loss`` with its trust band and k3 coefficient, AdamW, the lr schedule,
-gradient clipping and the skipped step of an empty batch. Rollouts are sampled at temperature 1 from the full softmax
-by the trainer's own model held ``lag`` versions behind: the real loop's off-policy rollouts (``maxAsyncLevel: 1``
-with ``maxOffPolicySteps: 2`` gives 1 or 2 versions behind; the suite's runs measured 3 % on-policy tokens, so
-``--lag 1.9``: each generation round is 2 behind with probability 0.9). Inference logprobs are those of the sampling model
-(vLLM's numerics match the trainer's to a mismatch KL of about 1e-9 at the same weights).
+gradient clipping and the skipped step of an empty batch. Rollouts are sampled at temperature 1 from the full
+softmax by the trainer's own model held ``lag`` versions behind: the real loop's off-policy rollouts
+(``maxAsyncLevel: 1`` with ``maxOffPolicySteps: 2`` gives 1 or 2 versions behind; the suite's runs measured 3 %
+on-policy tokens, so ``--lag 1.9``: each generation round is 2 behind with probability 0.9). Inference logprobs
+are those of the sampling model (vLLM's numerics match the trainer's to a mismatch KL of about 1e-9 at the same
+weights).
 
 Prints one JSON line per run (the fifth-averages of ``rlrun local``'s summary) and a table: mean and worst
-seed, against the reliability issue's targets (last fifth >= 0.75, gain >= 0.25, exact >= 30 %). A simulation,
+seed, against the reliability issue's targets (last fifth >= 0.75, gain >= 0.25, exact >= 30 %; the example as
+adopted on 2026-12-04 misses the gain by design, benchmarks/README.md "the warm-up's stop"). A simulation,
 not the product: a recipe it favours is then checked with real runs (benchmarks/local_run.py).
 """
 
@@ -104,7 +106,7 @@ def simulate(job: dict[str, Any]) -> dict[str, Any]:
     ``Orchestrator.make_batch`` fills it: rounds of ``plan_group_count`` groups, at most
     ``MAX_ROUNDS_PER_BATCH``, assembled by ``assemble_batch`` (staleness, leftover, truncation, zero-advantage
     groups); an empty batch skips the optimizer step and the schedule moves on, as in the trainer. The result
-    also lists the versions that generated rounds (``versions``).
+    also lists how many versions behind the trainer its rounds were sampled (``versions_behind``).
     """
     import torch
 

@@ -343,20 +343,26 @@ class Orchestrator:
         """
         loop = asyncio.get_running_loop()
         if self._session is None or self._session[0] is not loop or self._session[1].closed:
+            # Idle connections are dropped after 4 s, before the server's keep-alive (uvicorn's 5 s in vLLM)
+            # can close one under a new request; proxies from the environment, as httpx (the probes) uses them.
             session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=max(64, self.view.batch_size)),
+                connector=aiohttp.TCPConnector(limit=max(64, self.view.batch_size), keepalive_timeout=4),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=REQUEST_TIMEOUT_S,
-                                              sock_read=REQUEST_TIMEOUT_S))
+                                              sock_read=REQUEST_TIMEOUT_S), trust_env=True)
             self._session = (loop, session)
         return self._session[1]
 
     async def aclose(self) -> None:
         """Close the HTTP clients (idempotent); call it in the event loop that used them."""
         client, session, self._client, self._session = self._client, self._session, None, None
-        if client is not None:
-            await client.aclose()
-        if session is not None and session[0] is asyncio.get_running_loop():
-            await session[1].close()
+        try:
+            if client is not None:
+                await client.aclose()
+        finally:
+            if session is not None and session[0] is asyncio.get_running_loop():
+                await session[1].close()
+            elif session is not None:
+                log.debug("completions session of another event loop dropped unclosed")
 
     # --- weights ------------------------------------------------------------------------------------
     def newest_published(self) -> int:
@@ -734,10 +740,11 @@ class Orchestrator:
             self.metrics.dropped_prompts.labels(constants.DROPPED_PROMPT_HELD_OUT).inc(skipped)
         return indices, cursor
 
-    def _completion_url(self, engines: Sequence[str]) -> str:
+    def _completion_url(self, engines: Sequence[str], start: int, attempt: int = 0) -> str:
+        """The router's completions URL, or without a router engine ``start + attempt`` (round robin)."""
         if self.router_url:
             return f"{self.router_url}/v1/completions"
-        return f"{engines[next(self._round_robin) % len(engines)]}/v1/completions"
+        return f"{engines[(start + attempt) % len(engines)]}/v1/completions"
 
     async def _complete(self, body: dict[str, Any], engines: Sequence[str]) -> list[dict[str, Any]]:
         """POST one completions request (retried on transport errors, timeouts and 5xx, each attempt to the
@@ -746,12 +753,13 @@ class Orchestrator:
 
         Raises:
             OrchestratorError: still failing after ``REQUEST_RETRIES`` retries; any other answer than 2xx or 5xx
-                (4xx, or a redirect, which is not followed; not retried); fewer choices than ``n``.
-            ValueError: a 2xx answer that is not JSON.
+                (4xx, or a redirect, which is not followed; not retried); a 2xx answer that is not a completions
+                JSON document; fewer choices than ``n``.
         """
         last = ""
+        start = next(self._round_robin)
         for attempt in range(REQUEST_RETRIES + 1):
-            url = self._completion_url(engines)
+            url = self._completion_url(engines, start, attempt)
             try:
                 async with self._completions().post(url, json=body, allow_redirects=False) as response:
                     status, raw = response.status, await response.read()
@@ -759,7 +767,11 @@ class Orchestrator:
                 last = f"POST {url}: {type(err).__name__}: {err}"
             else:
                 if 200 <= status < 300:
-                    choices = sorted(json.loads(raw)["choices"], key=lambda c: int(c.get("index", 0)))
+                    try:
+                        choices = sorted(json.loads(raw)["choices"], key=lambda c: int(c.get("index", 0)))
+                    except (ValueError, KeyError, TypeError, AttributeError) as err:
+                        raise OrchestratorError(f"POST {url}: HTTP {status} but not a completions answer "
+                                                f"({type(err).__name__}: {err}): {raw[:200]!r}") from err
                     if len(choices) != int(body["n"]):
                         raise OrchestratorError(f"asked for n={body['n']} completions, got {len(choices)}")
                     return [choice if isinstance(choice, dict) else {} for choice in choices]

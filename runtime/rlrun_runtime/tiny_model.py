@@ -3,9 +3,9 @@
 A Qwen3-architecture causal LM (transformers ``Qwen3Config``/``Qwen3ForCausalLM``) with random weights from
 a seed, a byte-level BPE tokenizer trained with ``tokenizers`` on reverse-words text (every task word
 becomes one token), and a short supervised warm-up on reverse-words, stopped at a measured competence, so that
-RL starts with a signal but with headroom (about half of its sampled answers exact at temperature 1). The result is an HF directory
-(config.json, model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json) that both
-vLLM (CPU) and transformers load.
+RL starts with a signal but with headroom (about half of its sampled answers exact at temperature 1). The
+result is an HF directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
+generation_config.json) that both vLLM (CPU) and transformers load.
 
 Sizes: hidden 128, 2 layers, 2 attention heads of 64 and 1 KV head, because vLLM's CPU attention needs
 head_dim >= 64 (measured, see the field notes).
@@ -23,6 +23,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -322,9 +323,10 @@ def create_tiny_model_files(out_dir: Path, seed: int = 0, warmup_max_steps: int 
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(get_model_config(tokenizer.eos_token_id))
         warmed = warm_up(model, tokenizer, max_steps=warmup_max_steps, seed=seed)
-        if warmup_max_steps and (warmed["exact_rate"] or 0.0) < WARMUP_STOP_EXACT:
-            print(f"rlrun-tiny: the warm-up stopped at its cap of {warmup_max_steps} steps with "
-                  f"{warmed['exact_rate'] or 0.0:.1%} of sampled {WARMUP_MAX_WORDS}-word answers exact (the stop rule "
+        rate = warmed["exact_rate"]
+        if warmup_max_steps and math.isfinite(WARMUP_STOP_EXACT) and (rate is None or rate < WARMUP_STOP_EXACT):
+            reached = "no check ran" if rate is None else f"{rate:.1%} of sampled {WARMUP_MAX_WORDS}-word answers exact"
+            print(f"rlrun-tiny: the warm-up stopped at its cap of {warmup_max_steps} steps ({reached}; the stop rule "
                   f"asks for {WARMUP_STOP_EXACT:.0%}); RL will start weaker", file=sys.stderr)
         model.save_pretrained(out_dir, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)

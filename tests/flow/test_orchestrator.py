@@ -183,6 +183,8 @@ class ScriptedCompletions(http.server.ThreadingHTTPServer):
                 status = server.script.pop(0)
                 body = json.dumps({"choices": [{"index": 0, "text": "a"}]} if status == 200 else
                                   {"error": f"scripted {status}"}).encode()
+                if status == "not json":
+                    status, body = 200, b"<html>a proxy's page</html>"
                 self.send_response(status)
                 if 300 <= status < 400:
                     self.send_header("Location", f"http://{LOOPBACK}:{server.server_address[1]}/elsewhere")
@@ -199,7 +201,7 @@ class ScriptedCompletions(http.server.ThreadingHTTPServer):
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
 
-@pytest.mark.parametrize("first, second", [([503, 200], [200]), ([302], []), ([404], [])])
+@pytest.mark.parametrize("first, second", [([503, 200], [200]), ([302], []), ([404], []), (["not json"], [])])
 def test_completions_retry_5xx_on_the_next_engine_and_fail_at_once_on_4xx_or_a_redirect(tmp_path, first, second):
     from rlrun_runtime.orchestrator import Orchestrator, OrchestratorError
     from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
@@ -219,13 +221,37 @@ def test_completions_retry_5xx_on_the_next_engine_and_fail_at_once_on_4xx_or_a_r
             assert asyncio.run(complete()) == [{"index": 0, "text": "a"}]
             assert [len(e.calls) for e in engines] == [1, 1]
         else:
-            with pytest.raises(OrchestratorError, match=rf"POST {engines[0].url}/v1/completions: HTTP {first[0]}"):
+            status = 200 if first[0] == "not json" else first[0]
+            with pytest.raises(OrchestratorError, match=rf"POST {engines[0].url}/v1/completions: HTTP {status}"):
                 asyncio.run(complete())
             assert [e.calls for e in engines] == [["/v1/completions"], []]  # no retry, no redirect followed
     finally:
         for engine in engines:
             engine.shutdown()
             engine.server_close()
+
+
+def test_a_refused_connection_is_retried_on_the_next_engine(tmp_path):
+    from rlrun_runtime.orchestrator import Orchestrator
+    from rlrun_runtime.orchestrator_metrics import OrchestratorMetrics
+
+    serving = ScriptedCompletions([200])
+    closed = f"http://{LOOPBACK}:{free_port()}"  # nothing listens there
+    orchestrator = Orchestrator(orchestrator_view(), RunStorage(tmp_path), StandInEnv(), StandInTokenizer(),
+                                [closed.removeprefix("http://"), serving.url.removeprefix("http://")], None,
+                                OrchestratorMetrics(max_steps=5))
+
+    async def complete():
+        try:
+            return await orchestrator._complete({"n": 1, "prompt": [1]}, [closed, serving.url])
+        finally:
+            await orchestrator.aclose()
+
+    try:
+        assert asyncio.run(complete()) == [{"index": 0, "text": "a"}] and serving.calls == ["/v1/completions"]
+    finally:
+        serving.shutdown()
+        serving.server_close()
 
 
 class StandInEnv:

@@ -37,7 +37,7 @@ def test_spare_ids_get_no_smoothing_mass_and_are_pushed_down() -> None:
     logp = torch.log_softmax(logits.detach()[:, :-1], -1)[learned]
     targets = labels[:, 1:][learned]
     manual = (0.8 * -logp.gather(-1, targets[:, None]).squeeze(-1) + 0.2 * -logp[:, :8].mean(-1)).mean()
-    assert get_warmup_loss(logits.detach(), labels, vocab=8).item() == pytest.approx(manual.item(), rel=1e-6)  # float32
+    assert get_warmup_loss(logits.detach(), labels, vocab=8, smoothing=0.2).item() == pytest.approx(manual.item(), rel=1e-6)  # float32
 
 
 @pytest.mark.parametrize("vocab", [0, 13])
