@@ -19,9 +19,8 @@ are those of the sampling model (vLLM's numerics match the trainer's to a mismat
 weights).
 
 Prints one JSON line per run (the fifth-averages of ``rlrun local``'s summary) and a table: mean and worst
-seed, against the reliability issue's targets (last fifth >= 0.75, gain >= 0.25, exact >= 30 %; the example as
-adopted on 2026-12-04 misses the gain by design, benchmarks/README.md "the warm-up's stop"). A simulation,
-not the product: a recipe it favours is then checked with real runs (benchmarks/local_run.py).
+seed, against the reliability issue's targets (last fifth >= 0.75, gain >= 0.25, exact >= 30 %; the grids that
+chose the example's recipe are in benchmarks/README.md, "the warm-up's stop"). A simulation, not the product: a recipe it favours is then checked with real runs (benchmarks/local_run.py).
 """
 
 from __future__ import annotations

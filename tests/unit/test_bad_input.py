@@ -221,22 +221,22 @@ BAD_FILES = {
     "null-key": TINY_TEXT.replace("  model:\n", "  ~: none\n  model:\n"),
     "unhashable-key": TINY_TEXT.replace("  model:\n", "  ? [a]\n  : 1\n  model:\n"),
     "binary-value": TINY_TEXT.replace("name: rlrun-tiny", "name: !!binary aGVsbG8="),
-    "set-value": TINY_TEXT.replace("min_words: 3", "min_words: !!set {a, b}"),
+    "set-value": TINY_TEXT.replace("min_words: 4", "min_words: !!set {a, b}"),
     # PyYAML's composer recurses per level (RecursionError), its scanner is quadratic in the flow depth
     # (5000 levels: 4 s of CPU), so 2000 levels: deep enough, and quick.
     "deep-flow": "[" * 2000 + "]" * 2000,
-    "deep-in-args": TINY_TEXT.replace("min_words: 3", "min_words: " + "[" * 2000 + "]" * 2000),
-    "deep-args": TINY_TEXT.replace("min_words: 3", "min_words: " + "[" * 200 + "]" * 200),  # > MAX_DEPTH
+    "deep-in-args": TINY_TEXT.replace("min_words: 4", "min_words: " + "[" * 2000 + "]" * 2000),
+    "deep-args": TINY_TEXT.replace("min_words: 4", "min_words: " + "[" * 200 + "]" * 200),  # > MAX_DEPTH
     "alias-cycle": TINY_TEXT.replace("  environment:\n", "  environment: &env\n").replace(
-        "min_words: 3", "min_words: *env"),
-    "alias-bomb": TINY_TEXT.replace("min_words: 3", "min_words: " + "".join(
+        "min_words: 4", "min_words: *env"),
+    "alias-bomb": TINY_TEXT.replace("min_words: 4", "min_words: " + "".join(
         f"\n      l{i}: &l{i} [" + ", ".join([f"*l{i - 1}" if i else "x"] * 10) + "]" for i in range(8))),
     "huge-string": TINY_TEXT.replace("  model:\n", "  imagePullPolicy: " + "x" * 200_000 + "\n  model:\n"),
     "huge-name": TINY_TEXT.replace("name: tiny-reverse", "name: " + "a" * 10_000),
     "bom": "\ufeff" + TINY_TEXT.replace("batchSize: 128", "batchSize: 12"),
 }
 ODD_VALID_FILES = {
-    "date-in-args": TINY_TEXT.replace("min_words: 3", "min_words: 2026-01-02"),  # a string, as kubectl reads it
+    "date-in-args": TINY_TEXT.replace("min_words: 4", "min_words: 2026-01-02"),  # a string, as kubectl reads it
     "huge-model-name": TINY_TEXT.replace("name: rlrun-tiny", "name: " + "x" * 200_000),
     "bom": "\ufeff" + TINY_TEXT,
     "crlf": TINY_TEXT.replace("\n", "\r\n"),
