@@ -4,7 +4,7 @@
     .venv/bin/python -m benchmarks.recipe_sim --warmup-smoothing 0 --warmup-stop-exact 0 --warmup-max-steps 100
                                                   # the fixed 100-step warm-up of before 2026-12-04
 
-Why: one real `rlrun local` run takes about 3 minutes on 2 cores, and the learning outcome of a recipe spreads
+Why: one real `rlrun local` run takes 1.5-3 minutes on 2 cores, and the learning outcome of a recipe spreads
 from run to run (which policy version produced a sample depends on the machine's timing), so comparing recipes
 needs tens of runs. This benchmark keeps everything of the real loop that decides learning and replaces only
 vLLM: the tiny model as built by ``rlrun_runtime.tiny_model`` (its warm-up constants overridable), the

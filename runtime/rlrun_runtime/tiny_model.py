@@ -3,7 +3,7 @@
 A Qwen3-architecture causal LM (transformers ``Qwen3Config``/``Qwen3ForCausalLM``) with random weights from
 a seed, a byte-level BPE tokenizer trained with ``tokenizers`` on reverse-words text (every task word
 becomes one token), and a short supervised warm-up on reverse-words, stopped at a measured competence, so that
-RL starts with a signal but with headroom (about half of its sampled answers exact at temperature 1). The
+RL starts with a signal but with headroom (about a fifth of its sampled 4-word answers exact at temperature 1). The
 result is an HF directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
 generation_config.json) that both vLLM (CPU) and transformers load.
 
@@ -67,8 +67,9 @@ WARMUP_TASK_SEED = 10_000  # the warm-up's prompts come from their own stream, n
 # temperature 1 for each of WARMUP_EVAL_PROMPTS held-out prompts of WARMUP_MAX_WORDS words (their own stream,
 # WARMUP_EVAL_SEED; a seeded generator, so the check is deterministic); stop once at least WARMUP_STOP_EXACT of
 # them are exact. 0.15 with RL on 4-word prompts only (the embedded default; benchmarks/recipe_sim.py, 8 seeds):
-# RL starts at 20-24 % exact and every seed ends at 89-95 %. With RL on 3-4 words the same stop left 1 of 8 seeds
-# with half of the 4-word reversals unlearned (50 %), and only a stop at 25 % (less to gain) avoided that.
+# RL starts at 19-24 % exact over its first fifth and every seed ends at 89-95 % (110 steps). With RL on 3-4 words
+# the same stop left 1 of 8 seeds with half of the 4-word reversals unlearned (50 %; 110 steps), and only a stop at
+# 25 % (less to gain) avoided that.
 WARMUP_EVAL_FROM = 60
 WARMUP_EVAL_EVERY = 2
 WARMUP_EVAL_PROMPTS = 64

@@ -44,7 +44,7 @@ KILL_AFTER_CHECKPOINT = 50     # the trainer is killed once this checkpoint exis
 pytestmark = [pytest.mark.vllm, pytest.mark.router, pytest.mark.e2e]  # rlrun local starts vllm-router too
 
 
-# Seeds of the learning run. The suite runs one (5 to 9 minutes on 2 cores, by load, kill and resume included)
+# Seeds of the learning run. The suite runs one (2-3 minutes on 2 quiet cores, more under load, kill and resume included)
 # to stay under 30 minutes; RLRUN_E2E_SEEDS=0,1,2 runs the three of the benchmark (benchmarks/README.md).
 E2E_SEEDS = [int(s) for s in os.environ.get("RLRUN_E2E_SEEDS", "0").split(",") if s.strip()]
 

@@ -90,14 +90,16 @@ def test_transformers_loads_model_and_tokenizer(model_dir):
 
 
 def test_warm_up_leaves_headroom_for_rl(model_dir):
-    """Sampled at temperature 1, the warmed-up model is partly right: a signal for RL, far from solved."""
+    """Sampled at temperature 1 on the embedded default's 4-word task, the warmed-up model is partly right: a
+    signal for RL, far from solved (mean reward 0.596, 9 % exact on this sample with MODEL_VERSION 6, a Xeon)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    env = load_environment({"type": "builtin", "name": "reverse-words", "seed": 123})
+    env = load_environment({"type": "builtin", "name": "reverse-words", "seed": 123,
+                            "args": {"min_words": 4, "max_words": 4}})
     tasks = [env.task(i) for i in range(16) for _ in range(4)]
     batch = tokenizer([t.prompt for t in tasks], return_tensors="pt", padding=True)
     torch.manual_seed(0)
@@ -107,7 +109,7 @@ def test_warm_up_leaves_headroom_for_rl(model_dir):
     texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
     rewards = [env.score(task, text) for task, text in zip(tasks, texts)]
     mean = sum(rewards) / len(rewards)
-    assert 0.2 < mean < 0.6, mean
+    assert 0.4 < mean < 0.8, mean
     assert len(set(rewards)) > 5  # graded rewards, not all-or-nothing
 
 

@@ -36,7 +36,7 @@ def test_values_of_the_tiny_example():
     orchestrator = OrchestratorView.from_spec(spec)
     assert (orchestrator.rollouts_per_prompt, orchestrator.batch_size, orchestrator.max_tokens) == (8, 128, 8)
     assert orchestrator.environment == EnvironmentView(type="builtin", name="reverse-words", seed=0,
-                                                       args={"min_words": 3, "max_words": 4})
+                                                       args={"min_words": 4, "max_words": 4})
     assert InferenceView.from_spec(spec).gpus_per_replica == 0
     assert RouterView.from_spec(spec).disaggregated is False
     auto = AutoscalingView.from_spec(spec)
@@ -78,7 +78,7 @@ def test_orchestrator_environment_is_a_typed_read_only_copy():
     with pytest.raises(TypeError):
         environment.args["min_words"] = 1  # read-only
     spec["environment"]["args"]["min_words"] = 1
-    assert environment.args["min_words"] == 3  # a copy: the spec changing later does not reach it
+    assert environment.args["min_words"] == 4  # a copy: the spec changing later does not reach it
     del spec["environment"]["seed"]  # a hand-written mapping without the CRD default
     assert EnvironmentView.from_mapping(spec["environment"]).seed == 0
 
