@@ -31,9 +31,9 @@ from rlrun_runtime.storage import RunStorage, list_steps
 # not change the verdict. History: with the warm-up of before (a fixed 100 steps, stopped on the loss's cliff at
 # a point that depended on the CPU) seed 0's exact rate spread over 9-45 % on a 2-core AMD EPYC and the former
 # 20 % bound failed twice in a row there (2026-12-03). Since 2026-12-04 the warm-up stops at a measured competence
-# (15 % of its sampled 4-word answers exact) and RL asks for 4-word reversals only (benchmarks/README.md, "the
-# warm-up's stop"): 8 simulated seeds (benchmarks/recipe_sim.py) gained +0.286 to +0.303 with 89-95 % exact,
-# real runs of seeds 0-2 +0.273 to +0.283 with 92-94 % exact. The failure modes seen with other recipes: part of the 4-word reversals
+# (10 % of its sampled 4-word answers exact since 2026-12-06, 15 % before) and RL asks for 4-word reversals only
+# (benchmarks/README.md, "the warm-up's stop"): real runs of seeds 0-2 on a 2-core AMD EPYC gained +0.269 to
+# +0.284 with 98 % exact (the 15 % stop: +0.273 to +0.283 with 92-94 % on a Xeon, +0.245 to +0.260 on the EPYC). The failure modes seen with other recipes: part of the 4-word reversals
 # unlearned (46-58 % exact), and fixed-length answers (0-19 %, gain about +0.18); the exact rate's own rise
 # (about +0.70) is bounded too, so a run that only holds its start fails.
 REWARD_MARGIN = 0.14           # last fifth beats the first fifth by this much (about half the mean gain)
