@@ -5,7 +5,7 @@ finite numbers, 64-bit integers, no YAML-only values, bounded nesting and size) 
 it runs, on the object after ``spec.apply_defaults``:
 
 1. the CRD's openAPIV3Schema with jsonschema (Draft 4, the dialect OpenAPI v3.0 schemas follow: boolean
-   ``exclusiveMinimum``). Like the API server's strict field validation (``kubectl apply`` default since
+   ``exclusiveMinimum``; a valid object is recognised first by the same schema compiled with fastjsonschema). Like the API server's strict field validation (``kubectl apply`` default since
    Kubernetes 1.27), unknown fields are errors, except under ``x-kubernetes-preserve-unknown-fields``.
 2. every CEL rule of the CRD (``x-kubernetes-validations``, see ``rlrun_api.cel``), the same
    expressions the API server checks. A rule is skipped on a node whose subtree failed step 1, so a
@@ -32,8 +32,9 @@ import functools
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+import fastjsonschema
 import jsonschema
 
 from rlrun_api import cel, constants, names, sizing, spec
@@ -108,6 +109,49 @@ def _is_date_time(value: Any) -> bool:
 @functools.lru_cache(maxsize=1)
 def _validator() -> jsonschema.Draft4Validator:
     return jsonschema.Draft4Validator(root_to_jsonschema(spec.crd_schema()), format_checker=_FORMATS)
+
+
+def _date_time_or_false(value: Any) -> bool:
+    try:
+        return _is_date_time(value)
+    except ValueError:
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def _fast_validator() -> Callable[[Any], Any]:
+    """The same Draft 4 schema compiled to Python by fastjsonschema: 0.02 ms for a valid RLRun where
+    jsonschema takes 0.5 ms (2-core Xeon, benchmarks/README.md). It only answers "valid" (returns) or
+    raises; check_schema takes jsonschema's errors whenever it raises, so the messages are jsonschema's,
+    and tests/unit/test_bad_input.py checks that both give the same verdict on generated runs. Formats
+    other than date-time are not checked, as with ``_FORMATS``."""
+    schema = {**root_to_jsonschema(spec.crd_schema()), "$schema": "http://json-schema.org/draft-04/schema#"}
+    formats: set[str] = set()
+
+    def collect(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("format"), str):
+                formats.add(node["format"])
+            for value in node.values():
+                collect(value)
+        elif isinstance(node, list):
+            for value in node:
+                collect(value)
+
+    collect(schema)
+    checks: dict[str, Callable[[Any], bool]] = {name: (lambda value: True) for name in formats}
+    checks["date-time"] = _date_time_or_false
+    return fastjsonschema.compile(schema, formats=checks)
+
+
+def is_schema_valid(rlrun: Any) -> bool:
+    """True when ``rlrun`` (already defaulted) passes the CRD's schema, by the fast compiled validator;
+    False when it does not or the compiled validator itself failed (check_schema then asks jsonschema)."""
+    try:
+        _fast_validator()(rlrun)
+    except Exception:  # noqa: BLE001 - JsonSchemaValueException, or anything odd: jsonschema decides
+        return False
+    return True
 
 
 def _path(parts: Any) -> str:
@@ -205,6 +249,8 @@ def check_schema(rlrun: dict[str, Any]) -> list[FieldError]:
 
     Checks ``status`` too when present (useful for what the operator writes; ``validate`` leaves it out).
     """
+    if is_schema_valid(rlrun):
+        return []
     errors = [f for e in _validator().iter_errors(rlrun) for f in _schema_errors(e)]
     return sorted(set(errors), key=lambda e: (e.path, e.message))
 
@@ -288,6 +334,7 @@ def prepare() -> None:
     start-up: about 1 s of CPU, otherwise paid by the first validation). Raises cel.CELRuleError on a CRD bug."""
     cel.compile_rules(spec.crd_schema())
     _validator()
+    _fast_validator()
 
 
 # --- 3. semantic checks --------------------------------------------------------------------------

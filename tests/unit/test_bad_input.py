@@ -33,7 +33,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from example_runs import ROOT
-from rlrun_api import validation
+from rlrun_api import spec, validation
 from rlrun_cli.main import main as rlrun_main, prepare_for_render
 from rlrun_gen import FIX_WORDS, SCHEMA, SETTINGS, TINY, mutations, valid_runs
 from rlrun_operator import reconcile
@@ -140,6 +140,22 @@ def test_mutated_runs_give_field_named_errors_never_exceptions(run) -> None:
     ready = next(c for c in change.patch["conditions"] if c["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
     assert errors[0].path in ready["message"]
+
+
+@settings(max_examples=400, **SETTINGS)
+@given(run=mutations() | valid_runs())
+@example(run=regression(**{"spec.algorithm.batchSize": True}))  # a bool is no integer in either
+@example(run=regression(**{"spec.algorithm.batchSize": 4.0}))  # nor is 4.0 in Draft 4
+@example(run=regression(**{"status.conditions": [{"type": "Ready", "status": "True", "reason": "R", "message": "",
+                                                   "lastTransitionTime": "yesterday"}]}))  # date-time
+def test_fast_schema_check_agrees_with_jsonschema(run) -> None:
+    """check_schema says "valid" from fastjsonschema's compiled schema alone: it must never pass what
+    jsonschema (whose errors it reports otherwise) refuses, nor refuse what jsonschema passes."""
+    if not isinstance(run, dict) or validation.check_values(run):
+        return  # validate() stops before the schema
+    defaulted = spec.apply_defaults(run)
+    slow = list(validation._validator().iter_errors(defaulted))
+    assert validation.is_schema_valid(defaulted) == (not slow), [e.message for e in slow]
 
 
 @pytest.mark.parametrize("run", CRASHES, ids=lambda run: "")
