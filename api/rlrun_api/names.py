@@ -7,9 +7,9 @@ import re
 from rlrun_api import constants
 
 # RFC 1123 label (a namespace name): lower-case letters, digits and '-', <= 63, alphanumeric at both ends.
-DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
 # RFC 1035 label (a Service name): as above, but starting with a letter.
-DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?\Z")
 
 # The longest run name whose children all have valid names: children are named <name><suffix>
 # (constants.CHILD_SUFFIXES), each a DNS-1035 label (<= 63), and the StatefulSet's name is shorter still

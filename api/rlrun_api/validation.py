@@ -68,7 +68,8 @@ def to_jsonschema(node: Any) -> Any:
       or, with strict field validation, rejects unknown fields);
     - ``nullable: true`` adds ``"null"`` to the type;
     - ``x-kubernetes-*`` keys and ``default`` are dropped (defaults are applied beforehand);
-    - boolean ``exclusiveMinimum``/``exclusiveMaximum`` and ``format`` are Draft 4 already.
+    - boolean ``exclusiveMinimum``/``exclusiveMaximum`` and ``format`` are Draft 4 already;
+    - a pattern's final ``$`` becomes ``\\Z`` (end_of_text).
     """
     if isinstance(node, list):
         return [to_jsonschema(x) for x in node]
@@ -83,7 +84,18 @@ def to_jsonschema(node: Any) -> Any:
         out["additionalProperties"] = False
     if node.get("nullable") and "type" in node:
         out["type"] = [node["type"], "null"]
+    if isinstance(node.get("pattern"), str):
+        out["pattern"] = end_of_text(node["pattern"])
     return out
+
+
+def end_of_text(pattern: str) -> str:
+    """``pattern`` with a final ``$`` written ``\\Z``: in Python (jsonschema's ``re.search``) ``$`` also matches
+    before a final newline, so ``"10Gi\\n"`` would pass ``^...$``; the API server's RE2 and fastjsonschema
+    (which makes the same rewrite) refuse it."""
+    if pattern.endswith("$") and not pattern.endswith("\\$"):
+        return pattern[:-1] + "\\Z"
+    return pattern
 
 
 def root_to_jsonschema(schema: dict[str, Any]) -> dict[str, Any]:
@@ -238,7 +250,8 @@ def _schema_error(err: jsonschema.ValidationError) -> FieldError:
     if kind == "pattern":
         desc = sub.get("description", "")
         hint = f" ({desc.strip().rstrip('.')})" if desc else ""
-        return FieldError(path, f"{_describe(got)} does not match {arg}; write a value of that form{hint}")
+        shown = f"{arg[:-2]}$" if isinstance(arg, str) and arg.endswith("\\Z") else arg  # the CRD's own pattern
+        return FieldError(path, f"{_describe(got)} does not match {shown}; write a value of that form{hint}")
     if kind == "format":
         return FieldError(path, f"{_describe(got)} is not a {arg}; write e.g. 2026-01-02T03:04:05Z")
     return FieldError(path, f"{err.message}; fix the value to satisfy the schema ({kind}: {_describe(arg)})")
@@ -331,7 +344,8 @@ def check_cel(rlrun: dict[str, Any], skip_paths: frozenset[str] = frozenset()) -
 
 def prepare() -> None:
     """Compile the CRD's CEL rules and its JSON schema validator now (a long-lived process calls this at
-    start-up: about 1 s of CPU, otherwise paid by the first validation). Raises cel.CELRuleError on a CRD bug."""
+    start-up: about 1 s of CPU, otherwise paid by the first validation). Raises cel.CELRuleError, or
+    fastjsonschema's JsonSchemaDefinitionException, on a CRD bug."""
     cel.compile_rules(spec.crd_schema())
     _validator()
     _fast_validator()
@@ -339,7 +353,7 @@ def prepare() -> None:
 
 # --- 3. semantic checks --------------------------------------------------------------------------
 
-PYTHON_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+PYTHON_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*\Z")
 
 
 def check_name(metadata: Any) -> list[FieldError]:

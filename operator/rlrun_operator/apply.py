@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import orjson
 
@@ -59,8 +59,9 @@ class Plan:
 
 @dataclass(frozen=True)
 class Outcome:
-    """Result of applying one child: the action taken, the live object afterwards and the Events to post
-    (a pool resized to a new spec, plan_replicas)."""
+    """Result of applying one child: the action taken, the live object afterwards ({} for a child this
+    call wrote without asking for the answer: apply_children's ``answered``) and the Events to post (a pool
+    resized to a new spec, plan_replicas)."""
 
     kind: str
     name: str
@@ -131,15 +132,16 @@ def get_spec_hash(manifest: dict[str, Any]) -> str:
     if volatile is not None and isinstance(body.get("spec"), dict):
         body["spec"] = {k: v for k, v in body["spec"].items() if k != volatile}
     # orjson writes the text json.dumps(sort_keys=True, separators=(",", ":")) writes, 7x faster (0.05 ms
-    # for a run's 14 children), except for non-ASCII text (raw UTF-8 where json writes \u escapes) and floats
-    # below 1e-4 (0.00001 for 1e-05). Non-ASCII, and what orjson refuses, takes json.dumps, so those hashes
-    # stay as earlier releases stamped them; no rendered child carries such a float (the spec's floats are
-    # in the ConfigMap's text).
+    # for a run's 14 children), except for non-ASCII text and DEL (raw bytes where json writes \u escapes),
+    # floats below 1e-4 (0.00001 for 1e-05), and NaN, infinities, datetimes and UUIDs (which json refuses or
+    # writes otherwise). Non-ASCII, DEL and what orjson refuses take json.dumps, so those hashes stay as earlier
+    # releases stamped them; the other cases never reach a rendered child (validation's check_values refuses
+    # them in a spec, and the spec's floats are in the ConfigMap's text).
     try:
         text = orjson.dumps(body, option=orjson.OPT_SORT_KEYS, default=str)
     except TypeError:  # orjson.JSONEncodeError: e.g. a non-string key or an integer beyond 64 bits
         text = b"\xff"
-    if not text.isascii():
+    if not text.isascii() or b"\x7f" in text:
         text = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str).encode()
     return hashlib.sha256(text).hexdigest()[:16]
 
@@ -357,12 +359,14 @@ def _tested_version(ops: list[dict[str, Any]]) -> str | None:
 
 
 async def apply_child(api: KubeApi, desired: dict[str, Any], suspended: bool,
-                      assume_absent: bool = False, sizes: PoolSizes | None = None) -> Outcome:
+                      assume_absent: bool = False, sizes: PoolSizes | None = None, answer: bool = True) -> Outcome:
     """Converge one child: GET (skipped on the first attempt when ``assume_absent``: a brand-new run),
     plan (``sizes``: plan_child's), then create/patch/replace. A 404 or 409 re-reads and re-plans. A 422 on
     a patch re-plans only when the resourceVersion ``test`` failed (the child changed since it was read: a
     newer resourceVersion when read again); any other 422, and every 422 on create, means the object itself
     is invalid.
+
+    ``answer=False``: a create or patch does not parse the stored object (Outcome.obj is {} then).
 
     Raises InvalidChild at once for an invalid object, ApplyConflict after MAX_ATTEMPTS conflicts,
     ApiError for any other API failure.
@@ -377,10 +381,10 @@ async def apply_child(api: KubeApi, desired: dict[str, Any], suspended: bool,
                 assert live is not None
                 return Outcome(kind, name, "none", live, plan.events)
             if plan.action == "create":
-                return Outcome(kind, name, "create", await api.create(plan.body or {}))
+                return Outcome(kind, name, "create", await api.create(plan.body or {}, answer=answer))
             if plan.action == "patch":
-                return Outcome(kind, name, "patch", await api.json_patch(kind, namespace, name, plan.ops),
-                               plan.events)
+                return Outcome(kind, name, "patch",
+                               await api.json_patch(kind, namespace, name, plan.ops, answer=answer), plan.events)
             if not (live or {}).get("metadata", {}).get("deletionTimestamp"):
                 # Foreground: the old Job stays until its pod is gone, so the create below answers 409
                 # (retried) instead of starting a second orchestrator next to the old one.
@@ -400,10 +404,13 @@ async def apply_child(api: KubeApi, desired: dict[str, Any], suspended: bool,
 
 
 async def apply_children(api: KubeApi, manifests: list[dict[str, Any]], suspended: bool,
-                         assume_absent: bool = False, sizes: PoolSizes | None = None) -> list[Outcome]:
+                         assume_absent: bool = False, sizes: PoolSizes | None = None,
+                         answered: Collection[str] | None = None) -> list[Outcome]:
     """Converge every rendered child, in the render's apply order (``sizes``: plan_child's). Returns one
-    Outcome per manifest."""
-    return [await apply_child(api, m, suspended, assume_absent, sizes) for m in manifests]
+    Outcome per manifest. ``answered``: the kinds whose stored object the caller reads after a write (None:
+    every kind); the API server's answers for the others are not parsed."""
+    return [await apply_child(api, m, suspended, assume_absent, sizes,
+                              answer=answered is None or m["kind"] in answered) for m in manifests]
 
 
 async def apply_prune(api: KubeApi, namespace: str, name: str, owner_uid: str,

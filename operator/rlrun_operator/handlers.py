@@ -171,7 +171,8 @@ async def publish_status(memo: OperatorMemo, namespace: str, name: str,
                 if meta.get("resourceVersion"):
                     body["metadata"] = {"resourceVersion": meta["resourceVersion"]}
                 try:
-                    await memo.api.merge_patch(constants.KIND, namespace, name, body, subresource="status")
+                    await memo.api.merge_patch(constants.KIND, namespace, name, body, subresource="status",
+                                               answer=False)
                 except ApiError as exc:
                     if exc.status == 409 and attempt + 1 < STATUS_WRITE_ATTEMPTS:
                         continue

@@ -203,7 +203,8 @@ async def reconcile_run(api: KubeApi, rlrun: dict[str, Any], trigger: str, prune
         applied = get_finished_manifests(manifests) if finished else manifests
         try:
             outcomes = await apply.apply_children(api, applied, suspended, assume_absent,
-                                                  sizes=get_pool_sizes(defaulted["spec"]))
+                                                  sizes=get_pool_sizes(defaulted["spec"]),
+                                                  answered=observe.WORKLOAD_KINDS)  # get_workloads reads them
         except apply.InvalidChild as exc:
             return ReconcileResult(invalid=[f"{exc}; fix the RLRun field it is rendered from (spec.pod, "
                                             f"spec.*.resources, spec.inference.vllmArgs, ...)"])

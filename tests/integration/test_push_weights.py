@@ -131,7 +131,12 @@ def test_the_session_opened_beside_the_pause_touches_no_weight_and_a_failed_paus
     transport.publish(perturbed_state(storage / "model", seed=5), 2, setup["template"])
 
     async def failing_pause(self, mode="keep", clear_cache=False):
-        await asyncio.sleep(2.0)  # the prepared push joins and starts its session meanwhile (tens of ms)
+        # Fail only once the prepared push, sent beside this pause, has its session open on the engine (its
+        # /start_weight_update answered; tens of ms), so the failure must end an open session.
+        deadline = time.monotonic() + 60
+        while not any(started.done() for started in transport._sessions.values()):
+            assert time.monotonic() < deadline, "the prepared push opened no session within 60 s"
+            await asyncio.sleep(0.02)
         raise EngineError(self.base_url, "pause failed (test)")
 
     with monkeypatch.context() as patch:
