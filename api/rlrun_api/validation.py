@@ -5,8 +5,9 @@ finite numbers, 64-bit integers, no YAML-only values, bounded nesting and size) 
 it runs, on the object after ``spec.apply_defaults``:
 
 1. the CRD's openAPIV3Schema with jsonschema (Draft 4, the dialect OpenAPI v3.0 schemas follow: boolean
-   ``exclusiveMinimum``; a valid object is recognised first by the same schema compiled with fastjsonschema). Like the API server's strict field validation (``kubectl apply`` default since
-   Kubernetes 1.27), unknown fields are errors, except under ``x-kubernetes-preserve-unknown-fields``.
+   ``exclusiveMinimum``; a valid object is recognised first by the same schema compiled with fastjsonschema).
+   Like the API server's strict field validation (``kubectl apply`` default since Kubernetes 1.27), unknown
+   fields are errors, except under ``x-kubernetes-preserve-unknown-fields``.
 2. every CEL rule of the CRD (``x-kubernetes-validations``, see ``rlrun_api.cel``), the same
    expressions the API server checks. A rule is skipped on a node whose subtree failed step 1, so a
    wrong type does not also show up as a confusing rule failure.
