@@ -13,11 +13,14 @@ Printed per case: tokens/s (real tokens), MFU = tokens/s x (6 N + 6 L H D S) / p
 parameters, for a MoE model the ACTIVE ones (experts counted top_k / num_experts), L layers, H heads, D head
 dim, S the DOCUMENT length, peak 989 TFLOP/s dense bf16), step time, peak GPU memory, and the ratios to the
 compiled and the eager baseline. ``--json PATH`` writes every figure.
-rlrun cases are ``[lora-|fp8-]<layout>[c][a][n|r][#k]``: layout packed16, var16, packed64 or single64; prefix
+rlrun cases are ``[lora-|fp8-]<layout>[c][a][n|r][g][#k]``: layout packed16, var16, packed64, split64 (64
+documents in four micro-batches of 16) or single64; prefix
 ``lora-`` LoRA rank 16 (alpha 32) on q/k/v/o_proj, ``fp8-`` torchao float8 matmuls; suffix ``c`` compiled
 decoder layers (and head), ``a`` activation checkpointing of every layer, ``n`` no FSDP2 wrapper (world size
 1, autocast to bf16 over the float32 parameters), ``r`` one FSDP2 unit, the root, instead of one per decoder
-layer; ``#k`` a repeat of the same case (timing spread).
+layer, ``g`` FSDP2 gathers the compute copies in every forward (before 2026-12-06 the only way; now they stay
+gathered between steps at world size 1, :mod:`rlrun_runtime.gathered_params`); ``#k`` a repeat of the same
+case (timing spread).
 
     python benchmarks/trainer_throughput.py                      # the H200 cases
     python benchmarks/trainer_throughput.py --shape tiny --device cpu --cases packed16,var16 --steps 2
@@ -70,13 +73,16 @@ def get_doc_lengths(case: str, doc_len: int, rng: random.Random) -> tuple[list[i
     """(input-token lengths of the step's documents, token budget of one micro-batch) of a case.
 
     packed16: 16 x doc_len in one 16 x doc_len row; packed64: 64 x doc_len in one 64 x doc_len micro-batch;
-    var16: 16 documents of uniform random length in [doc_len/2, doc_len] (mean ~0.75 doc_len) in a
-    16 x doc_len budget; single64: one document of 64 x doc_len tokens.
+    split64: 64 x doc_len in four micro-batches of 16 x doc_len (gradients accumulated over them); var16: 16
+    documents of uniform random length in [doc_len/2, doc_len] (mean ~0.75 doc_len) in a 16 x doc_len budget;
+    single64: one document of 64 x doc_len tokens.
     """
     if case == "packed16":
         return [doc_len] * 16, 16 * doc_len
     if case == "packed64":
         return [doc_len] * 64, 64 * doc_len
+    if case == "split64":
+        return [doc_len] * 64, 16 * doc_len
     if case == "var16":
         return [rng.randint(doc_len // 2, doc_len) for _ in range(16)], 16 * doc_len
     if case == "single64":
@@ -170,7 +176,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def parse_case(case: str) -> dict[str, Any]:
-    """``[lora-|fp8-]<layout>[c][a][n|r][#k]`` -> layout, compile, checkpoint, wrap_fsdp, lora_rank, quantization.
+    """``[lora-|fp8-]<layout>[c][a][n|r][g][#k]`` -> layout, compile, checkpoint, wrap_fsdp, keep_gathered,
+    lora_rank, quantization.
 
     Raises:
         ValueError: unknown prefix.
@@ -179,7 +186,7 @@ def parse_case(case: str) -> dict[str, Any]:
     prefix, _, name = name.rpartition("-")
     if prefix not in ("", "lora", "fp8"):
         raise ValueError(f"unknown case prefix {prefix!r}: use lora- or fp8-")
-    layout = name.rstrip("canr")
+    layout = name.rstrip("canrg")
     flags = name[len(layout):]
     from rlrun_runtime.trainer import ROOT_ONLY
 
@@ -187,13 +194,14 @@ def parse_case(case: str) -> dict[str, Any]:
         raise ValueError(f"case {case!r}: n (no FSDP2) and r (root-only FSDP2) exclude each other")
     wrap: bool | str = False if "n" in flags else ROOT_ONLY if "r" in flags else True
     return {"layout": layout, "compile": "c" in flags, "checkpoint": "a" in flags, "wrap_fsdp": wrap,
+            "keep_gathered": False if "g" in flags else None,
             "lora_rank": 16 if prefix == "lora" else 0, "quantization": "fp8" if prefix == "fp8" else "none"}
 
 
 def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compile_layers: bool,
               checkpoint_layers: bool, device: torch.device, warmup: int, steps: int,
               profile: bool = False, wrap_fsdp: bool | str = True, lora_rank: int = 0,
-              quantization: str = "none") -> dict[str, Any]:
+              quantization: str = "none", keep_gathered: bool | None = None) -> dict[str, Any]:
     """rlrun's ``Trainer`` (FSDP2 at world size 1 unless ``wrap_fsdp`` is False, fp32 master weights, bf16
     compute on GPU) on ``samples``, with LoRA of ``lora_rank`` on :data:`LORA_TARGETS` (alpha 2 x rank) or
     ``quantization`` fp8; ``profile``: one more step under torch.profiler, its top GPU kernels printed."""
@@ -211,7 +219,7 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
                       lora_target_modules=LORA_TARGETS)
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-storage-") as storage_dir:
         trainer = Trainer(cfg, RunStorage(storage_dir), str(model_dir), 0, 1, device, compile_layers=compile_layers,
-                          checkpoint_layers=checkpoint_layers, wrap_fsdp=wrap_fsdp)
+                          checkpoint_layers=checkpoint_layers, wrap_fsdp=wrap_fsdp, keep_gathered=keep_gathered)
         batch = {"samples": samples}
         losses = []
 
@@ -306,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                     out = run_rlrun(model_dir, get_samples(lengths, shape["vocab_size"], rng), budget,
                                     spec["compile"], spec["checkpoint"], device, args.warmup, args.steps,
                                     profile=case == args.profile, wrap_fsdp=spec["wrap_fsdp"],
-                                    lora_rank=spec["lora_rank"], quantization=spec["quantization"])
+                                    lora_rank=spec["lora_rank"], quantization=spec["quantization"],
+                                    keep_gathered=spec["keep_gathered"])
                     seq_len = round(sum(lengths) / len(lengths))
                     out["mean_doc_len"] = seq_len
                 out["tokens_per_s"] = out["tokens"] / out["step_s"]

@@ -37,6 +37,7 @@ from rlrun_api.views import TrainerView
 from rlrun_runtime.role import RoleConfigError, env_bind_host, env_port, env_required, load_spec, role_main
 
 from . import checkpoint as ckpt
+from .gathered_params import GatheredParams
 from .logprobs import LogprobHead, install_logprob_head
 from .moe import get_load_kwargs, prepare_moe_model, to_checkpoint_state_dict
 from .loss import LossMetrics, policy_loss_on_device, token_logprobs
@@ -274,11 +275,13 @@ def copy_model_files(source: str, dest: Path, revision: str | None = None) -> No
 
 
 def publish_weights(model: torch.nn.Module, transport: WeightTransport, version: int, template_dir: Path,
-                    dtype: torch.dtype, tied: bool, lora_scale: float | None = None, lora_config: Any = None) -> float:
+                    dtype: torch.dtype, tied: bool, lora_scale: float | None = None, lora_config: Any = None,
+                    gathered: GatheredParams | None = None) -> float:
     """Gather the full state dict (collective) and publish it on rank 0 as ``version`` through ``transport``.
 
     The state dict is gathered to CPU (``cpu_offload``: FSDP shards never meet on one GPU) and cast to
-    ``dtype``. With tied embeddings ``lm_head.weight`` is left out, as transformers saves it. A MoE model's
+    ``dtype``; at world size 1 with ``gathered`` it is read from the masters as they are, leaving FSDP2's
+    gathered compute copies in place for the next step (:class:`rlrun_runtime.gathered_params.GatheredParams`). With tied embeddings ``lm_head.weight`` is left out, as transformers saves it. A MoE model's
     stacked expert weights are split back into the HF checkpoint's per-expert tensors
     (:func:`rlrun_runtime.moe.to_checkpoint_state_dict`), the names vLLM loads. The filesystem
     transport writes an HF safetensors directory (sharded above 5 GB) with the files of ``template_dir``.
@@ -295,7 +298,9 @@ def publish_weights(model: torch.nn.Module, transport: WeightTransport, version:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     start = time.monotonic()
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = gathered.full_state_dict() if gathered is not None else None
+    if state is None:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not dist.is_initialized() or dist.get_rank() == 0:
         with tempfile.TemporaryDirectory(prefix="rlrun-publish-") as staging:
             files = template_dir
@@ -545,13 +550,15 @@ class Trainer:
     """One rank of the trainer: model, optimizer, schedule, and the step loop (see the module docstring).
 
     ``compile_layers`` / ``checkpoint_layers`` (None: the spec's ``trainer.compile`` and
-    ``trainer.activationCheckpointing``) and ``wrap_fsdp`` (False: no FSDP2 wrapper, world size 1 only) are
-    for the benchmark (:func:`shard_model`).
+    ``trainer.activationCheckpointing``), ``wrap_fsdp`` (False: no FSDP2 wrapper, world size 1 only) and
+    ``keep_gathered`` (None: at world size 1 under FSDP2 the compute copies stay gathered between steps,
+    :class:`rlrun_runtime.gathered_params.GatheredParams`; False: FSDP2 gathers them in every forward) are for
+    the benchmark (:func:`shard_model`).
     """
 
     def __init__(self, cfg: TrainerView, storage: RunStorage, model_path: str, rank: int, world: int,
                  device: torch.device, compile_layers: bool | None = None, checkpoint_layers: bool | None = None,
-                 wrap_fsdp: bool | str = True):
+                 wrap_fsdp: bool | str = True, keep_gathered: bool | None = None):
         self.cfg = cfg
         self.storage, self.rank, self.world, self.device = storage, rank, world, device
         self.transport = get_transport(self.cfg.weight_transport, storage)
@@ -571,6 +578,10 @@ class Trainer:
         self.pad_id = pad if isinstance(pad, int) else 0
         # Only what trains (everything, or the LoRA adapters) gets gradients and optimizer state.
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        wrapped = hasattr(self.model, "set_reshard_after_backward")  # FSDP2 (every case but wrap_fsdp=False)
+        if keep_gathered is None:
+            keep_gathered = wrapped and world == 1
+        self.gathered = GatheredParams(self.model, world) if keep_gathered else None
         # Fused AdamW on CUDA (one kernel over all parameters); the default foreach implementation on CPU.
         self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.learning_rate,
                                            weight_decay=self.cfg.weight_decay,
@@ -640,6 +651,8 @@ class Trainer:
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
+        if self.gathered is not None:  # world size 1: the kept compute copies take the new weights
+            self.gathered.refresh()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         dist.all_reduce(sums)
@@ -672,7 +685,8 @@ class Trainer:
             loss, metrics, grad_norm, num_tokens, loss_tokens, lr = self.train_step(step, batch)
             train_seconds = time.monotonic() - t0
             published = publish_weights(self.model, self.transport, step, self.template_dir,
-                                        self.publish_dtype, self.tied, self.lora_scale, self.lora_config)
+                                        self.publish_dtype, self.tied, self.lora_scale, self.lora_config,
+                                        self.gathered)
             if self.rank == 0 or self.gauges:
                 record = get_metrics_record(step, batch, loss, metrics, grad_norm, lr, num_tokens, loss_tokens,
                                             waited, train_seconds, published)

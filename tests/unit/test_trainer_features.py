@@ -35,12 +35,12 @@ def _samples(seed=0):
              "inference_logprobs": [-4.2] * 6, "advantage": a, "policy_version": 0} for a in (1.0, -1.0, 0.5, -0.5)]
 
 
-def _trainer(tmp_path, model_dir, device, trainer=None, storage="storage", lr=1e-2, **kwargs):
+def _trainer(tmp_path, model_dir, device, trainer=None, storage="storage", lr=1e-2, dtype="float32", **kwargs):
     from rlrun_runtime.storage import RunStorage
     from rlrun_runtime.trainer import Trainer
 
-    return Trainer(_view(model_dir, trainer, lr=lr), RunStorage(tmp_path / storage), str(model_dir), 0, 1, device,
-                   **kwargs)
+    return Trainer(_view(model_dir, trainer, dtype=dtype, lr=lr), RunStorage(tmp_path / storage), str(model_dir),
+                   0, 1, device, **kwargs)
 
 
 def _full(model):
@@ -163,16 +163,17 @@ def test_lora_trains_only_the_adapters_and_publishes_base_plus_merged_delta(tmp_
     trainable = {n for n, p in tr.model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     assert len(trainable) == 2 * len(TARGETS) * 2  # A and B, 3 targets, 2 layers
+    # the sharded parameters (the optimizer's); between steps the module holds FSDP2's gathered copies
+    names = {id(p): n for n, p in tr.model.named_parameters()}
     for step in (1, 2, 3):
         tr.train_step(step, {"samples": _samples(step)})
     after = _full(tr.model)
-    names = {id(p): n for n, p in tr.model.named_parameters()}
     assert {names[id(p)] for p in tr.optimizer.state} == trainable  # optimizer state for the adapters only
     assert all(torch.equal(before[n], after[n]) for n in before if n not in trainable)  # the base is frozen
     assert all(not torch.equal(before[n], after[n]) for n in trainable if ".lora_B." in n)  # B moved off 0
 
     publish_weights(tr.model, tr.transport, 1, tr.template_dir, tr.publish_dtype, tr.tied, tr.lora_scale,
-                    tr.lora_config)
+                    tr.lora_config, tr.gathered)
     out = tr.storage.weights(1)
     published = load_file(out / "model.safetensors")
     base = load_file(model_dir / "model.safetensors")
@@ -250,3 +251,92 @@ def test_lora_targets_that_match_nothing_name_the_field(tmp_path, world_of_one):
     model_dir = save_model_dir(tmp_path / "model")
     with pytest.raises(RoleConfigError, match=r"spec.trainer.lora.targetModules: \['qkv'\]"):
         _trainer(tmp_path, model_dir, world_of_one, {"lora": {"rank": 4, "targetModules": ["qkv"]}})
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compute_copies_kept_gathered_at_world_size_one_change_no_number(tmp_path, world_of_one, monkeypatch,
+                                                                         dtype):
+    """GatheredParams (the default at world size 1) against FSDP2 gathering in every forward, over 4 steps with
+    a publish after step 2 and a module state dict (what a checkpoint takes: FSDP2 reshards) after step 3, in
+    float32 and with bf16 compute copies of the float32 masters: the same losses, grad norms, masters and
+    published files, bit for bit; the publish leaves the gathered copies in place. With the refresh disabled
+    (the control) step 2 runs on step 1's weights and its loss differs."""
+    from rlrun_runtime.gathered_params import GatheredParams
+    from rlrun_runtime.trainer import publish_weights
+
+    model_dir = save_model_dir(tmp_path / "model", seed=3)
+    batch = {"samples": _samples(1)}
+
+    def held(tr):  # how many trainable parameters FSDP2 holds as gathered copies now
+        return sum(module._parameters[name] is not master for module, name, master in tr.gathered.slots)
+
+    def run(name, keep_gathered, seen=None):
+        tr = _trainer(tmp_path, model_dir, world_of_one, storage=name, keep_gathered=keep_gathered, dtype=dtype)
+        out = []
+        for step in (1, 2, 3, 4):
+            out.append(tr.train_step(step, batch)[:3])
+            if step == 2:
+                publish_weights(tr.model, tr.transport, step, tr.template_dir, tr.publish_dtype, tr.tied,
+                                gathered=tr.gathered)
+            if step == 3:
+                tr.model.state_dict()
+            if seen is not None:
+                seen.append(held(tr))
+        return tr, out
+
+    every, every_losses = run("every-forward", False)
+    assert every.gathered is None
+    seen = []
+    kept, kept_losses = run("kept", None, seen)
+    assert isinstance(kept.gathered, GatheredParams)
+    trainable = len(kept.gathered.slots)
+    assert trainable == len(kept.params) > 10
+    assert seen == [trainable, trainable, 0, trainable]  # only the state dict made FSDP2 reshard
+    assert kept_losses == every_losses  # bit for bit
+    assert len(kept.params) == len(every.params)
+    for master, ref, (module, name, _) in zip(kept.params, every.params, kept.gathered.slots):
+        assert master.dtype == torch.float32 and torch.equal(master.full_tensor(), ref.full_tensor()), name
+        copy = module._parameters[name]  # the gathered compute copy FSDP2 holds now: the master's cast
+        assert copy is not master and torch.equal(copy, master.full_tensor().to(copy.dtype)), name
+    published = load_file(kept.storage.weights(2) / "model.safetensors")
+    reference = load_file(every.storage.weights(2) / "model.safetensors")
+    assert published.keys() == reference.keys() and all(torch.equal(published[k], reference[k]) for k in reference)
+
+    monkeypatch.setattr(GatheredParams, "refresh", lambda self: 0)  # the control: stale compute copies
+    _, stale_losses = run("stale", None)
+    assert stale_losses[0] == every_losses[0]
+    assert abs(stale_losses[1][0] - every_losses[1][0]) > 1e-4
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lora", [False, True])
+def test_gathered_full_state_dict_equals_torchs_without_resharding(tmp_path, world_of_one, lora):
+    """GatheredParams.full_state_dict against torch's get_model_state_dict (full, CPU) after two steps, with
+    tied embeddings, and with LoRA (frozen base, adapter keys): the same keys, the same float32 values; only
+    torch's makes FSDP2 reshard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model_dir = save_model_dir(tmp_path / "model", seed=9)
+    spec = {"lora": {"rank": 4, "alpha": 8, "targetModules": TARGETS}} if lora else None
+    tr = _trainer(tmp_path, model_dir, world_of_one, spec)
+    for step in (1, 2):
+        tr.train_step(step, {"samples": _samples(step)})
+    ours = tr.gathered.full_state_dict()
+    assert all(module._parameters[name] is not master for module, name, master in tr.gathered.slots)
+    torchs = get_model_state_dict(tr.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    assert not any(module._parameters[name] is not master for module, name, master in tr.gathered.slots)
+    assert list(ours) == list(torchs) and any(key.endswith("lm_head.weight") for key in ours)  # tied: both keys
+    assert any(".lora_B." in key for key in ours) == lora
+    for key, value in torchs.items():
+        assert ours[key].device.type == "cpu" and ours[key].dtype == value.dtype == torch.float32, key
+        assert torch.equal(ours[key], value), key
+
+
+def test_gathered_params_refuse_more_than_one_rank_and_an_unwrapped_model():
+    from rlrun_runtime.gathered_params import GatheredParams
+
+    with pytest.raises(ValueError, match="world of one rank, not 2"):
+        GatheredParams(torch.nn.Linear(2, 2), 2)
+    with pytest.raises(ValueError, match="FSDP2"):
+        GatheredParams(torch.nn.Linear(2, 2), 1)

@@ -164,7 +164,7 @@ def test_moe_published_weights_are_the_hf_checkpoint_layout_and_reload_to_the_sa
     tr = _trainer(tmp_path, model_dir, world_of_one, lr=3e-3)
     for step in (1, 2):
         tr.train_step(step, {"samples": _samples(step)})
-    publish_weights(tr.model, tr.transport, 2, tr.template_dir, tr.publish_dtype, tr.tied)
+    publish_weights(tr.model, tr.transport, 2, tr.template_dir, tr.publish_dtype, tr.tied, gathered=tr.gathered)
     out = tr.storage.weights(2)
     with safe_open(model_dir / "model.safetensors", "pt") as f:
         base_keys = set(f.keys())

@@ -83,11 +83,13 @@ def test_one_step_of_1e_6_changes_the_float32_master_weights_under_bf16_compute(
     _, _, device = init_distributed(False)
     try:
         trainer = Trainer(cfg, RunStorage(tmp_path / "storage"), str(model_dir), 0, 1, device)
-        before = {n: p.detach().full_tensor().clone() for n, p in trainer.model.named_parameters()}
+        # the sharded master weights (between steps the modules hold FSDP2's gathered bf16 copies)
+        masters = dict(trainer.model.named_parameters())
+        before = {n: p.detach().full_tensor().clone() for n, p in masters.items()}
         assert all(p.dtype == torch.float32 for p in before.values())
         loss, metrics, grad_norm, num_tokens, loss_tokens, lr = trainer.train_step(1, {"samples": samples})
         assert lr == pytest.approx(1e-6) and grad_norm > 0 and num_tokens == 3 * 9 and loss_tokens == 18
-        for name, value in ((n, p.detach().full_tensor()) for n, p in trainer.model.named_parameters()):
+        for name, value in ((n, p.detach().full_tensor()) for n, p in masters.items()):
             assert value.dtype == torch.float32
             assert (value - before[name]).abs().max().item() == pytest.approx(1e-6, rel=0.2), name
             assert (value != before[name]).float().mean() > 0.5, name
