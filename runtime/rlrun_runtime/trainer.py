@@ -652,7 +652,11 @@ class Trainer:
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         if self.gathered is not None:  # world size 1: the kept compute copies take the new weights
-            self.gathered.refresh()
+            refreshed = self.gathered.refresh()
+            if refreshed != len(self.gathered.slots):  # the next forward would run on this step's old weights
+                raise RuntimeError(f"trainer: FSDP2 held {refreshed} of {len(self.gathered.slots)} trainable "
+                                   "parameters gathered after the backward; this torch's FSDP2 does not keep "
+                                   "them as rlrun_runtime.gathered_params expects")
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         dist.all_reduce(sums)

@@ -303,23 +303,29 @@ def test_compute_copies_kept_gathered_at_world_size_one_change_no_number(tmp_pat
     reference = load_file(every.storage.weights(2) / "model.safetensors")
     assert published.keys() == reference.keys() and all(torch.equal(published[k], reference[k]) for k in reference)
 
-    monkeypatch.setattr(GatheredParams, "refresh", lambda self: 0)  # the control: stale compute copies
+    # the control: a refresh that copies nothing leaves stale compute copies, and step 2's loss shows it
+    monkeypatch.setattr(GatheredParams, "refresh", lambda self: len(self.slots))
     _, stale_losses = run("stale", None)
     assert stale_losses[0] == every_losses[0]
     assert abs(stale_losses[1][0] - every_losses[1][0]) > 1e-4
+    # a torch whose FSDP2 did not keep them gathered is caught at the first step, not trained on stale weights
+    monkeypatch.setattr(GatheredParams, "refresh", lambda self: 0)
+    with pytest.raises(RuntimeError, match=f"FSDP2 held 0 of {trainable} trainable parameters gathered"):
+        run("not-kept", None)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("lora", [False, True])
-def test_gathered_full_state_dict_equals_torchs_without_resharding(tmp_path, world_of_one, lora):
+@pytest.mark.parametrize("lora,dtype", [(False, "float32"), (False, "bfloat16"), (True, "bfloat16")])
+def test_gathered_full_state_dict_equals_torchs_without_resharding(tmp_path, world_of_one, lora, dtype):
     """GatheredParams.full_state_dict against torch's get_model_state_dict (full, CPU) after two steps, with
-    tied embeddings, and with LoRA (frozen base, adapter keys): the same keys, the same float32 values; only
-    torch's makes FSDP2 reshard."""
+    tied embeddings, bf16 compute copies (so reading them instead of the masters would fail), and with LoRA
+    (frozen base, adapter keys): the same keys in the same order, the same float32 values; only torch's makes
+    FSDP2 reshard. A buffer registered later changes the keys: it then defers to torch's (None)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     model_dir = save_model_dir(tmp_path / "model", seed=9)
     spec = {"lora": {"rank": 4, "alpha": 8, "targetModules": TARGETS}} if lora else None
-    tr = _trainer(tmp_path, model_dir, world_of_one, spec)
+    tr = _trainer(tmp_path, model_dir, world_of_one, spec, dtype=dtype)
     for step in (1, 2):
         tr.train_step(step, {"samples": _samples(step)})
     ours = tr.gathered.full_state_dict()
@@ -331,6 +337,11 @@ def test_gathered_full_state_dict_equals_torchs_without_resharding(tmp_path, wor
     for key, value in torchs.items():
         assert ours[key].device.type == "cpu" and ours[key].dtype == value.dtype == torch.float32, key
         assert torch.equal(ours[key], value), key
+    if dtype == "bfloat16":  # the compute copies really are bf16: the masters were read, not them
+        tr.train_step(3, {"samples": _samples(3)})
+        assert {p.dtype for p in tr.model.parameters()} == {torch.bfloat16}
+    tr.model.model.norm.register_buffer("added", torch.zeros(1))
+    assert tr.gathered.full_state_dict() is None
 
 
 def test_gathered_params_refuse_more_than_one_rank_and_an_unwrapped_model():
