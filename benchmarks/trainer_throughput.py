@@ -282,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write every figure to this file (after each case)")
     parser.add_argument("--profile", default="", help="a case to profile one extra step of")
     parser.add_argument("--layers", type=int, default=0, help="decoder layers instead of the shape's")
+    parser.add_argument("--row-multiple", type=int, default=0,
+                        help="pad packed GPU rows to a multiple of this many tokens instead of the trainer's "
+                             "GPU_ROW_MULTIPLE (each distinct row length is one more compiled kernel)")
     parser.add_argument("--model-dir", default=None,
                         help="keep the random model here (built when the directory has no config.json, else reused: "
                              "one process per case without rebuilding it)")
@@ -290,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     shape = SHAPES[args.shape]
     if args.layers:
         shape = {**shape, "num_hidden_layers": args.layers}
+    if args.row_multiple:
+        import rlrun_runtime.trainer as trainer_module
+
+        trainer_module.GPU_ROW_MULTIPLE = args.row_multiple
     init_world_of_one(device)
     results: dict[str, Any] = {"shape": args.shape, "device": str(device), "torch": torch.__version__,
                                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
