@@ -189,6 +189,31 @@ def test_valid_variations_have_no_errors(tiny_example) -> None:
         assert all("not implemented yet" in e.message for e in errors)
 
 
+def test_micro_batch_size_is_checked_against_the_batch_only_while_micro_batch_tokens_is_unset(tiny_example):
+    """The deprecated microBatchSize (CRD default 8) binds only the padded layout: with microBatchTokens set it is
+    ignored, so a batch smaller than its default is no error."""
+    small = {"spec.algorithm.rolloutsPerPrompt": 2, "spec.algorithm.batchSize": 4}
+    errors = validate(mutate(tiny_example, {**small, "spec.algorithm.microBatchSize": 8}))
+    assert [e.path for e in errors] == ["spec.algorithm.microBatchSize"]
+    assert "while microBatchTokens is unset" in errors[0].message and "set microBatchTokens" in errors[0].message
+    assert validate(mutate(tiny_example, {**small, "spec.algorithm.microBatchSize": 8,
+                                          "spec.algorithm.microBatchTokens": 1024})) == []
+
+
+def test_expert_and_context_parallelism_name_the_ranks_they_need(tiny_example) -> None:
+    from rlrun_api.spec import apply_defaults
+    from rlrun_api.validation import check_trainer_implemented
+    from rlrun_api.views import TrainerView
+
+    view = TrainerView.from_spec(apply_defaults(mutate(tiny_example, {"spec.trainer.parallelism.ep": 4}))["spec"])
+    (error,) = check_trainer_implemented(view, world_size=1)
+    assert error.path == "spec.trainer.parallelism.ep"
+    assert error.message.startswith("4 needs at least 4 trainer ranks and this trainer has 1 ") and "set 1" in \
+        error.message
+    (error,) = check_trainer_implemented(view, world_size=8)  # enough ranks: still not implemented, said plainly
+    assert error.message.startswith("4: expert and context parallelism are not implemented yet")
+
+
 def test_unimplemented_features_are_reported_only_when_nothing_else_is_wrong(tiny_example) -> None:
     errors = validate(mutate(tiny_example, {"spec.trainer.parallelism.cp": 2, "spec.algorithm.batchSize": 68,
                                           "spec.algorithm.microBatchSize": 4}))
