@@ -476,11 +476,11 @@ def check_trainer_implemented(trainer: TrainerView, world_size: int | None = Non
                                                                      "or the embeddings is not implemented yet; "
                                                                      "target decoder linear layers (q_proj, v_proj, "
                                                                      "...) only"))
-        if trainer.quantization != "none":
+        if trainer.quantization == "fp8":  # mxfp8 gets its own message below, with or without LoRA
             out.append(FieldError("spec.trainer.quantization", f"{trainer.quantization} with LoRA "
                                                                "(trainer.lora.rank > 0) is not implemented yet; set "
                                                                "none, or trainer.lora.rank: 0"))
-    if trainer.quantization == "mxfp8" and trainer.lora_rank == 0:
+    if trainer.quantization == "mxfp8":
         out.append(FieldError("spec.trainer.quantization", "mxfp8 needs NVIDIA Blackwell GPUs (SM100, compute "
                                                            "capability 10.0) and is not implemented yet; set fp8 "
                                                            "(Ada/Hopper) or none"))

@@ -34,13 +34,25 @@ def check_quantization(quantization: str, device: torch.device) -> None:
                               f"and {name} has {capability[0]}.{capability[1]}; set none")
 
 
+ROUTER_SUFFIXES = (".gate", ".router")  # a MoE layer's router (Qwen3-MoE: mlp.gate); dense MLPs name gate_proj
+
+
+def get_fp8_targets(model: torch.nn.Module) -> list[str]:
+    """Names of the linear layers :func:`apply_fp8` converts: every ``nn.Linear`` whose dimensions are multiples
+    of 16 (float8 GEMMs need them), except the LM head (a :class:`rlrun_runtime.logprobs.LogprobHead` is not an
+    ``nn.Linear`` anyway) and a mixture-of-experts router (``ROUTER_SUFFIXES``): its logits choose each token's
+    experts, and float8's rounding of them would change which experts run. A MoE model's experts are stacked
+    grouped-GEMM weights, not linear layers, and stay in the compute dtype."""
+    return [name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0
+            and module.out_features % 16 == 0 and not name.endswith("lm_head")
+            and not name.endswith(ROUTER_SUFFIXES)]
+
+
 def apply_fp8(model: torch.nn.Module) -> int:
-    """Convert the decoder's linear layers of ``model`` to torchao ``Float8Linear`` in place (tensorwise
+    """Convert the linear layers of :func:`get_fp8_targets` to torchao ``Float8Linear`` in place (tensorwise
     dynamic scaling: e4m3 inputs and weights in the forward, e5m2 output gradients in the backward); the
     parameters stay what they were (float32 master weights), only the matmuls run in float8.
-
-    Layers left in high precision: the LM head (a :class:`rlrun_runtime.logprobs.LogprobHead`, not an
-    ``nn.Linear``) and any linear layer whose dimensions are not multiples of 16 (float8 GEMMs need them).
 
     Returns:
         The number of layers converted.
@@ -51,15 +63,7 @@ def apply_fp8(model: torch.nn.Module) -> int:
         raise RoleConfigError("spec.trainer.quantization: fp8 needs torchao, which rlrun[gpu] installs (the runtime "
                               "image has it); install rlrun[gpu] or set quantization: none") from None
 
-    converted = []
-
-    def keep(module: torch.nn.Module, name: str) -> bool:
-        ok = (isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0
-              and module.out_features % 16 == 0 and not name.endswith("lm_head"))
-        if ok:
-            converted.append(name)
-        return ok
-
-    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=keep)
-    return len(converted)
-
+    targets = set(get_fp8_targets(model))
+    convert_to_float8_training(model, config=Float8LinearConfig(),
+                               module_filter_fn=lambda module, name: name in targets)
+    return len(targets)

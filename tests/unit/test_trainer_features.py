@@ -92,6 +92,7 @@ def test_lora_passes_validation_except_on_the_head_or_with_fp8():
     assert errors(quantization="fp8") == []  # the GPU's compute capability is checked by the trainer at start
     [(path, message)] = errors(quantization="mxfp8")
     assert path == "spec.trainer.quantization" and "SM100" in message and "Blackwell" in message
+    assert errors(lora={"rank": 8}, quantization="mxfp8") == [(path, message)]  # with LoRA too: SM100 named
 
 
 def test_fp8_is_refused_on_cpu_and_old_gpus_and_mxfp8_everywhere(monkeypatch):

@@ -187,3 +187,27 @@ def test_moe_published_weights_are_the_hf_checkpoint_layout_and_reload_to_the_sa
                                                      attn_implementation="sdpa")(input_ids=ids).logits
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
     assert (stale - expected).abs().max().item() > 1e-3  # the check can fail: the untrained model is off
+
+
+def test_fp8_targets_leave_out_the_router_and_the_head_of_a_moe_model():
+    """fp8 converts the attention projections of a Qwen3-MoE model, not its routers (mlp.gate: their logits choose
+    the experts) nor the LM head; the stacked experts are not linear layers. A dense model keeps every MLP
+    projection (gate_proj is not a router)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from rlrun_runtime.fp8 import get_fp8_targets
+    from rlrun_runtime.logprobs import install_logprob_head
+    from tiny_qwen3 import make_model
+
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_experts=16, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, decoder_sparse_step=1)
+    moe = Qwen3MoeForCausalLM(config)
+    attention = [f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    assert get_fp8_targets(moe) == attention  # transformers 5's router is its own module, not an nn.Linear
+    moe.model.layers[0].mlp.gate = torch.nn.Linear(64, 16, bias=False)  # a router that is one (64 -> 16 fits fp8)
+    assert get_fp8_targets(moe) == attention
+    dense = make_model()
+    install_logprob_head(dense)
+    assert len(get_fp8_targets(dense)) == 2 * 7 and all(".mlp.gate_proj" in t for t in get_fp8_targets(dense)
+                                                         if "gate" in t)
