@@ -146,7 +146,8 @@ def render_section(node: dict[str, Any], path: str) -> list[str]:
         lines += ["CEL rules (checked by the API server and by `rlrun validate`):", ""]
         for owner, rule in rules:
             target = owner + rule.get("fieldPath", "")
-            lines.append(f"- on `{target}`: {cell(rule['message'])} (rule `{cell(rule['rule'])}`, declared on `{owner}`)")
+            message, text = " ".join(rule["message"].split()), " ".join(rule["rule"].split())  # a list item: no | escape
+            lines.append(f"- on `{target}`: {message} (rule `{text}`, declared on `{owner}`)")
         lines.append("")
     return lines
 

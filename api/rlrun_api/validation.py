@@ -486,8 +486,8 @@ def check_trainer_implemented(trainer: TrainerView, world_size: int | None = Non
                                                            "(Ada/Hopper) or none"))
     for key, value in (("ep", trainer.ep), ("cp", trainer.cp)):
         if value != 1:
-            ranks = (f"{value} needs at least {value} trainer ranks and this trainer has {world} (trainer.nodes x "
-                     "trainer.gpusPerNode); " if world < value else f"{value}: ")
+            ranks = (f"{value} needs at least {value} trainer ranks and this trainer has {world}; "
+                     if world < value else f"{value}: ")
             out.append(FieldError(f"spec.trainer.parallelism.{key}", f"{ranks}expert and context parallelism are "
                                                                       "not implemented yet; set 1"))
     if trainer.fsdp not in (-1, world):

@@ -92,8 +92,9 @@ EXPECTED = {
     "failed": ("Degraded", "OrchestratorFailed: the orchestrator Job failed: 3 consecutive batches without a "
                            "trainable sample; environment builtin/reverse-words"),
     "invalid-spec": ("Degraded", "InvalidSpec: spec.algorithm.microBatchSize: algorithm.microBatchSize must be <= "
-                                 "algorithm.batchSize (a micro-batch is a slice of one step's batch); lower "
-                                 "microBatchSize"),
+                                 "algorithm.batchSize while microBatchTokens is unset (a micro-batch is a slice of "
+                                 "one step's batch); lower microBatchSize, or set microBatchTokens (microBatchSize "
+                                 "is then ignored)"),
     "invalid-update": ("Degraded", "InvalidSpec: spec.environment.name: 'no-such-task' is not a builtin task; use "
                                    "one of: reverse-words"),
 }

@@ -208,7 +208,7 @@ def test_expert_and_context_parallelism_name_the_ranks_they_need(tiny_example) -
     view = TrainerView.from_spec(apply_defaults(mutate(tiny_example, {"spec.trainer.parallelism.ep": 4}))["spec"])
     (error,) = check_trainer_implemented(view, world_size=1)
     assert error.path == "spec.trainer.parallelism.ep"
-    assert error.message.startswith("4 needs at least 4 trainer ranks and this trainer has 1 ") and "set 1" in \
+    assert error.message.startswith("4 needs at least 4 trainer ranks and this trainer has 1; ") and "set 1" in \
         error.message
     (error,) = check_trainer_implemented(view, world_size=8)  # enough ranks: still not implemented, said plainly
     assert error.message.startswith("4: expert and context parallelism are not implemented yet")
