@@ -95,9 +95,14 @@ def get_default(node: dict[str, Any], description: str) -> str:
     return ""
 
 
+def one_line(text: str) -> str:
+    """``text`` on one line, runs of whitespace as one space."""
+    return " ".join(text.split())
+
+
 def cell(text: str) -> str:
     """Text safe inside a Markdown table cell (one line, pipes escaped)."""
-    return " ".join(text.split()).replace("|", "\\|")
+    return one_line(text).replace("|", "\\|")
 
 
 def walk(node: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any], bool]]:
@@ -146,8 +151,9 @@ def render_section(node: dict[str, Any], path: str) -> list[str]:
         lines += ["CEL rules (checked by the API server and by `rlrun validate`):", ""]
         for owner, rule in rules:
             target = owner + rule.get("fieldPath", "")
-            message, text = " ".join(rule["message"].split()), " ".join(rule["rule"].split())  # a list item: no | escape
-            lines.append(f"- on `{target}`: {message} (rule `{text}`, declared on `{owner}`)")
+            # a list item, not a table cell: pipes stay as they are
+            lines.append(f"- on `{target}`: {one_line(rule['message'])} (rule `{one_line(rule['rule'])}`, "
+                         f"declared on `{owner}`)")
         lines.append("")
     return lines
 

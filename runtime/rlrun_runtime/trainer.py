@@ -281,7 +281,8 @@ def publish_weights(model: torch.nn.Module, transport: WeightTransport, version:
 
     The state dict is gathered to CPU (``cpu_offload``: FSDP shards never meet on one GPU) and cast to
     ``dtype``; at world size 1 with ``gathered`` it is read from the masters as they are, leaving FSDP2's
-    gathered compute copies in place for the next step (:class:`rlrun_runtime.gathered_params.GatheredParams`). With tied embeddings ``lm_head.weight`` is left out, as transformers saves it. A MoE model's
+    gathered compute copies in place for the next step (:class:`rlrun_runtime.gathered_params.GatheredParams`).
+    With tied embeddings ``lm_head.weight`` is left out, as transformers saves it. A MoE model's
     stacked expert weights are split back into the HF checkpoint's per-expert tensors
     (:func:`rlrun_runtime.moe.to_checkpoint_state_dict`), the names vLLM loads. The filesystem
     transport writes an HF safetensors directory (sharded above 5 GB) with the files of ``template_dir``.
