@@ -393,23 +393,15 @@ DRAIN_REQUESTS = 32  # x n=4: 128 sequences of 123 tokens, all running at once (
 DRAIN_CHOICES = 4
 
 
-@pytest.mark.vllm
-@pytest.mark.timeout(300)
-def test_sigterm_drains_running_requests_instead_of_aborting_them(engine):
-    """Last in the module (it stops the module's server). A stopping server (SIGTERM, as Kubernetes sends on
-    scale-down) finishes what it is generating: every request in flight when the signal lands ends with its
-    full length, and the server exits well inside the pod's grace period (INFERENCE_DRAIN_SECONDS).
+DRAIN_ATTEMPTS = 3  # servers started at most (see the test's docstring)
 
-    The requests stream, and the signal is sent once every request has streamed its first token and before
-    any sequence has finished: then all are in the engine (vLLM's drain finishes what the engine holds; a
-    request still on its way from the API server is cut) and each has at least max_tokens - 1 engine steps
-    to go, however fast the machine (a metrics gauge lags the engine: on a quiet machine the whole batch once
-    finished before the signal landed)."""
+
+def _sigterm_scenario(url: str, proc, log) -> dict:
+    """Stream DRAIN_REQUESTS x DRAIN_CHOICES sequences, SIGTERM the server once every request has streamed a
+    token and none has finished, wait for it to exit; return what the client and the server's log saw."""
     import os
     import signal
 
-    url, storage, proc = engine
-    log = storage.parent / "vllm.log"
     prompt_ids = [5, 6, 7, 8]
     max_tokens = 128 - len(prompt_ids) - 1
     body = {"model": constants.SERVED_MODEL_NAME, "prompt": prompt_ids, "max_tokens": max_tokens, "n": DRAIN_CHOICES,
@@ -451,14 +443,46 @@ def test_sigterm_drains_running_requests_instead_of_aborting_them(engine):
 
     replies, signalled = asyncio.run(run())
     proc.wait(timeout=constants.INFERENCE_DRAIN_SECONDS + 30)
-    exited_after = time.monotonic() - signalled
     text = log.read_text(errors="replace")
     drained = [line for line in text.splitlines() if "draining in-flight requests" in line]
-    print(f"\nSIGTERM with {DRAIN_REQUESTS} requests x {DRAIN_CHOICES} of {max_tokens} tokens queued or running: "
-          f"{drained[-1].strip() if drained else 'no drain line'}; exited {exited_after:.1f} s after the signal")
-    assert not finished_before_signal  # every sequence was unfinished when the signal was sent
+    return {"replies": replies, "exited_after": time.monotonic() - signalled, "text": text,
+            "drained": int(drained[-1].split("count=")[1].split()[0]) if drained else 0,
+            "finished_before_signal": finished_before_signal, "max_tokens": max_tokens}
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_sigterm_drains_running_requests_instead_of_aborting_them(engine):
+    """Last in the module (it stops the module's server). A stopping server (SIGTERM, as Kubernetes sends on
+    scale-down) finishes what it is generating: every request in flight when the signal lands ends with its
+    full length, and the server exits well inside the pod's grace period (INFERENCE_DRAIN_SECONDS).
+
+    The requests stream, and the signal is sent once every request has streamed its first token and before
+    any sequence has finished: then all are in the engine (vLLM's drain finishes what the engine holds; a
+    request still on its way from the API server is cut) and each has at least max_tokens - 1 engine steps
+    to go, however fast the machine (a metrics gauge lags the engine: on a quiet machine the whole batch once
+    finished before the signal landed). The client's view lags the engine too: in a loaded full suite
+    (2026-12-07) the client had read no finish yet when it signalled, but the engine had already finished all
+    128 sequences (its log: nothing to drain). Such a run tests nothing, so the scenario runs again on a fresh
+    server (at most DRAIN_ATTEMPTS servers); the verdict comes from a run where the engine held requests."""
+    url, storage, proc = engine
+    root = storage.parent
+    outcome = _sigterm_scenario(url, proc, root / "vllm.log")
+    attempts = 1
+    while outcome["drained"] == 0 and not outcome["finished_before_signal"] and attempts < DRAIN_ATTEMPTS:
+        print(f"\nattempt {attempts}: the engine had finished every sequence before the signal; a fresh server")
+        attempts += 1
+        started: list = []
+        log = root / f"vllm-drain-{attempts}.log"
+        with inference_server(root / "run.yaml", storage, log, started) as fresh:
+            outcome = _sigterm_scenario(fresh, started[0], log)
+    replies, exited_after, max_tokens = outcome["replies"], outcome["exited_after"], outcome["max_tokens"]
+    print(f"\nSIGTERM with {DRAIN_REQUESTS} requests x {DRAIN_CHOICES} of {max_tokens} tokens queued or running "
+          f"(attempt {attempts}): engine drained {outcome['drained']} requests; exited {exited_after:.1f} s after "
+          "the signal")
+    assert not outcome["finished_before_signal"]  # every sequence was unfinished when the signal was sent
     # the drain path ran with requests in flight (vLLM's abort mode would end them as aborted)
-    assert drained and int(drained[-1].split("count=")[1].split()[0]) > 0, text[-3000:]
+    assert outcome["drained"] > 0, outcome["text"][-3000:]
     bad = [r for r in replies if isinstance(r, BaseException) or r["status"] != 200]
     assert not bad, bad[:3]
     for reply in replies:
