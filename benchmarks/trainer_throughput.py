@@ -13,14 +13,16 @@ Printed per case: tokens/s (real tokens), MFU = tokens/s x (6 N + 6 L H D S) / p
 parameters, for a MoE model the ACTIVE ones (experts counted top_k / num_experts), L layers, H heads, D head
 dim, S the DOCUMENT length, peak 989 TFLOP/s dense bf16), step time, peak GPU memory, and the ratios to the
 compiled and the eager baseline. ``--json PATH`` writes every figure.
-rlrun cases are ``[lora-|fp8-]<layout>[c][a][n|r][g][#k]``: layout packed16, var16, packed64, split64 (64
+rlrun cases are ``[lora-|fp8-]<layout>[c][a][n|r][g][k][#k]``: layout packed16, var16, packed64, split64 (64
 documents in four micro-batches of 16) or single64; prefix
 ``lora-`` LoRA rank 16 (alpha 32) on q/k/v/o_proj, ``fp8-`` torchao float8 matmuls; suffix ``c`` compiled
 decoder layers (and head), ``a`` activation checkpointing of every layer, ``n`` no FSDP2 wrapper (world size
 1, autocast to bf16 over the float32 parameters), ``r`` one FSDP2 unit, the root, instead of one per decoder
 layer, ``g`` FSDP2 gathers the compute copies in every forward (before 2026-12-06 the only way; now they stay
-gathered between steps at world size 1, :mod:`rlrun_runtime.gathered_params`); ``#k`` a repeat of the same
-case (timing spread).
+gathered between steps at world size 1, :mod:`rlrun_runtime.gathered_params`), ``k`` the LM head recomputes
+its logits in the backward (before 2026-12-07 the only way; now logits up to
+:data:`rlrun_runtime.logprobs.KEEP_LOGITS_BYTES` are kept from the forward); ``#k`` a repeat of the same case
+(timing spread).
 
     python benchmarks/trainer_throughput.py                      # the H200 cases
     python benchmarks/trainer_throughput.py --shape tiny --device cpu --cases packed16,var16 --steps 2
@@ -176,8 +178,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def parse_case(case: str) -> dict[str, Any]:
-    """``[lora-|fp8-]<layout>[c][a][n|r][g][#k]`` -> layout, compile, checkpoint, wrap_fsdp, keep_gathered,
-    lora_rank, quantization.
+    """``[lora-|fp8-]<layout>[c][a][n|r][g][k][#k]`` -> layout, compile, checkpoint, wrap_fsdp, keep_gathered,
+    keep_logits, lora_rank, quantization.
 
     Raises:
         ValueError: unknown prefix.
@@ -186,7 +188,7 @@ def parse_case(case: str) -> dict[str, Any]:
     prefix, _, name = name.rpartition("-")
     if prefix not in ("", "lora", "fp8"):
         raise ValueError(f"unknown case prefix {prefix!r}: use lora- or fp8-")
-    layout = name.rstrip("canrg")
+    layout = name.rstrip("canrgk")
     flags = name[len(layout):]
     from rlrun_runtime.trainer import ROOT_ONLY
 
@@ -194,17 +196,19 @@ def parse_case(case: str) -> dict[str, Any]:
         raise ValueError(f"case {case!r}: n (no FSDP2) and r (root-only FSDP2) exclude each other")
     wrap: bool | str = False if "n" in flags else ROOT_ONLY if "r" in flags else True
     return {"layout": layout, "compile": "c" in flags, "checkpoint": "a" in flags, "wrap_fsdp": wrap,
-            "keep_gathered": False if "g" in flags else None,
+            "keep_gathered": False if "g" in flags else None, "keep_logits": "k" not in flags,
             "lora_rank": 16 if prefix == "lora" else 0, "quantization": "fp8" if prefix == "fp8" else "none"}
 
 
 def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compile_layers: bool,
               checkpoint_layers: bool, device: torch.device, warmup: int, steps: int,
               profile: bool = False, wrap_fsdp: bool | str = True, lora_rank: int = 0,
-              quantization: str = "none", keep_gathered: bool | None = None) -> dict[str, Any]:
+              quantization: str = "none", keep_gathered: bool | None = None,
+              keep_logits: bool = True) -> dict[str, Any]:
     """rlrun's ``Trainer`` (FSDP2 at world size 1 unless ``wrap_fsdp`` is False, fp32 master weights, bf16
     compute on GPU) on ``samples``, with LoRA of ``lora_rank`` on :data:`LORA_TARGETS` (alpha 2 x rank) or
-    ``quantization`` fp8; ``profile``: one more step under torch.profiler, its top GPU kernels printed."""
+    ``quantization`` fp8; ``keep_logits`` False: the LM head recomputes its logits in the backward; ``profile``:
+    one more step under torch.profiler, its top GPU kernels printed."""
     from rlrun_api.views import TrainerView
     from rlrun_runtime.storage import RunStorage
     from rlrun_runtime.trainer import Trainer
@@ -220,6 +224,13 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-storage-") as storage_dir:
         trainer = Trainer(cfg, RunStorage(storage_dir), str(model_dir), 0, 1, device, compile_layers=compile_layers,
                           checkpoint_layers=checkpoint_layers, wrap_fsdp=wrap_fsdp, keep_gathered=keep_gathered)
+        if not keep_logits:
+            from rlrun_runtime.logprobs import LogprobHead
+
+            heads = [m for m in trainer.model.modules() if isinstance(m, LogprobHead)]
+            assert heads, "no LogprobHead in the model"
+            for head in heads:
+                head.keep_bytes = 0
         batch = {"samples": samples}
         losses = []
 
@@ -322,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                                     spec["compile"], spec["checkpoint"], device, args.warmup, args.steps,
                                     profile=case == args.profile, wrap_fsdp=spec["wrap_fsdp"],
                                     lora_rank=spec["lora_rank"], quantization=spec["quantization"],
-                                    keep_gathered=spec["keep_gathered"])
+                                    keep_gathered=spec["keep_gathered"], keep_logits=spec["keep_logits"])
                     seq_len = round(sum(lengths) / len(lengths))
                     out["mean_doc_len"] = seq_len
                 out["tokens_per_s"] = out["tokens"] / out["step_s"]

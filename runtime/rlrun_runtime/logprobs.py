@@ -4,8 +4,10 @@ float32 tensor.
 :class:`ChunkedTokenLogprobs` computes, for the loss positions only and ``chunk`` tokens at a time,
 ``logits = hidden @ weight.T`` (in the weight's dtype, as the LM head), then in float32
 ``log_softmax(logits / temperature)[target]`` (vLLM's processed logprobs: it casts the logits to float32 and
-divides by the temperature before the log-softmax). Only ``[N]`` log-sum-exps are kept for the backward, which
-recomputes each chunk's logits. Peak extra memory: one chunk of logits (:func:`get_chunk_tokens`).
+divides by the temperature before the log-softmax). When all ``[N, V]`` logits fit in ``keep_bytes`` in their
+own dtype they are computed in one matrix product and kept, and the backward turns them into their gradient in
+place (two matrix products in all, no recompute); otherwise only ``[N]`` log-sum-exps are kept and the backward
+recomputes each chunk's logits. Extra memory: the kept logits, or one chunk's (:func:`get_chunk_tokens`).
 
 :class:`LogprobHead` replaces a model's ``lm_head`` (same ``weight`` parameter, same state-dict key): with a
 request set it returns these logprobs instead of logits, so the computation runs inside the model's own
@@ -20,6 +22,9 @@ import torch
 import torch.nn.functional as F
 
 CHUNK_BYTES = 1 << 30  # float32 logits of one chunk: about 1 GiB
+# Logits kept for the backward up to this size: 16,384 tokens x 151,936 words in bf16 is 4.6 GiB. Keeping them
+# saves one [N, H] x [H, V] matrix product per step (a third of the head's); measured in benchmarks/README.md.
+KEEP_LOGITS_BYTES = 5 << 30
 
 
 def get_chunk_tokens(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -32,79 +37,102 @@ def get_logit_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def get_matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear(hidden, weight)`` returns here: the autocast dtype under autocast, else the weight's."""
+    device = hidden.device.type
+    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
 class ChunkedTokenLogprobs(torch.autograd.Function):
     """``[N]`` float32 (float64 for float64 inputs) logprobs of ``targets`` under
     ``softmax((hidden @ weight.T).float() / temperature)``.
 
     Inputs: ``hidden`` ``[N, H]``, ``weight`` ``[V, H]`` (same dtype), ``targets`` ``[N]`` int64,
-    ``temperature`` (> 0), ``chunk`` tokens per chunk. Gradients flow to ``hidden`` and ``weight``. Under CUDA
-    autocast (an unwrapped model, float32 weights) the backward's matrix products run in the autocast dtype
-    as the forward's do (``torch.amp.custom_bwd``), not in float32.
+    ``temperature`` (> 0), ``chunk`` tokens per chunk, ``keep_bytes`` (logits up to this size are kept for
+    the backward). Gradients flow to ``hidden`` and ``weight``. Under CUDA autocast (an unwrapped model,
+    float32 weights) the backward's matrix products run in the autocast dtype as the forward's do
+    (``torch.amp.custom_bwd``), not in float32. With kept logits the backward consumes them (in place): a
+    second backward through the same graph raises torch's in-place modification error.
     """
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk: int, compiled: bool = False) -> torch.Tensor:
+                chunk: int, compiled: bool = False, keep_bytes: int = KEEP_LOGITS_BYTES) -> torch.Tensor:
         count, dtype = hidden.shape[0], get_logit_dtype(weight.dtype)
         out = torch.empty(count, dtype=dtype, device=hidden.device)
         lse = torch.empty(count, dtype=dtype, device=hidden.device)
+        itemsize = torch.empty((), dtype=get_matmul_dtype(hidden, weight)).element_size()
+        kept = F.linear(hidden, weight) if count * weight.shape[0] * itemsize <= keep_bytes else None
         forward_chunk = _compiled(_forward_chunk) if compiled else _forward_chunk
         for start in range(0, count, chunk):
             end = min(count, start + chunk)
-            out[start:end], lse[start:end] = forward_chunk(hidden[start:end], weight, targets[start:end],
-                                                           temperature, dtype)
-        ctx.save_for_backward(hidden, weight, targets, lse)
+            logits = kept[start:end] if kept is not None else F.linear(hidden[start:end], weight)
+            out[start:end], lse[start:end] = forward_chunk(logits, targets[start:end], temperature, dtype)
+        if kept is not None:
+            ctx.save_for_backward(hidden, weight, targets, lse, kept)
+        else:
+            ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk, ctx.compiled = temperature, chunk, compiled
         return out
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, *kept = ctx.saved_tensors
+        kept = kept[0] if kept else None
         temperature, chunk = ctx.temperature, ctx.chunk
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
         dtype = get_logit_dtype(weight.dtype)
-        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
         grad_out = grad_out.to(dtype)
-        grad_chunk = _compiled(_grad_logits_chunk) if ctx.compiled else _grad_logits_chunk
+        to_grad = _compiled(_logits_to_grad_) if ctx.compiled else _logits_to_grad_
+        grad_hidden = grad_weight = None
+        if kept is None:
+            grad_hidden = torch.empty_like(hidden) if need_hidden else None
+            grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
         for start in range(0, hidden.shape[0], chunk):
             end = min(hidden.shape[0], start + chunk)
-            h = hidden[start:end]
-            grad_logits = grad_chunk(h, weight, targets[start:end], lse[start:end], grad_out[start:end],
-                                     temperature, dtype)
-            if need_hidden:
-                grad_hidden[start:end] = grad_logits @ weight
-            if need_weight:
-                grad_weight.add_(grad_logits.t() @ h)
+            logits = kept[start:end] if kept is not None else F.linear(hidden[start:end], weight)
+            to_grad(logits, targets[start:end], lse[start:end], grad_out[start:end], temperature, dtype)
+            if kept is None:  # logits now hold this chunk's gradient
+                if need_hidden:
+                    grad_hidden[start:end] = logits @ weight
+                if need_weight:
+                    grad_weight.add_(logits.t() @ hidden[start:end])
+        if kept is not None:  # all of them do: one matrix product each, accumulated inside it
+            grad_hidden = kept @ weight if need_hidden else None
+            grad_weight = kept.t() @ hidden if need_weight else None
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def _forward_chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+def _forward_chunk(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprob of each target, log-sum-exp) of one chunk; logits ``(h @ weight.T).to(dtype) / temperature``."""
-    logits = F.linear(h, weight).to(dtype)
+    """(logprob of each target, log-sum-exp) of one chunk of logits, taken in ``dtype`` and divided by
+    ``temperature``."""
+    logits = logits.to(dtype)
     if temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse, lse
 
 
-def _grad_logits_chunk(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
-                       grad_out: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-    """Gradient of one chunk's logits (in the weight's dtype): ``g * (onehot(target) - softmax) / temperature``."""
-    logits = F.linear(h, weight).to(dtype)
+def _logits_to_grad_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+                     temperature: float, dtype: torch.dtype) -> None:
+    """Overwrite one chunk's logits with their gradient, ``g * (onehot(target) - softmax) / temperature``
+    computed in ``dtype``. The one-hot is a comparison, not a scatter, so compiled it is one elementwise kernel
+    that reads and writes the chunk once."""
+    x = logits.to(dtype)
     if temperature != 1.0:
-        logits = logits / temperature
-    g = grad_out.unsqueeze(-1)
-    grad_logits = torch.exp(logits - lse.unsqueeze(-1)) * -g
-    grad_logits = grad_logits.scatter_add(-1, targets.unsqueeze(-1), g)
+        x = x / temperature
+    onehot = torch.arange(x.shape[-1], device=x.device) == targets.unsqueeze(-1)
+    grad = (onehot.to(dtype) - torch.exp(x - lse.unsqueeze(-1))) * grad_out.unsqueeze(-1)
     if temperature != 1.0:
-        grad_logits = grad_logits / temperature
-    return grad_logits.to(weight.dtype)
+        grad = grad / temperature
+    logits.copy_(grad)
 
 
 _COMPILED: dict[Any, Any] = {}
@@ -118,9 +146,11 @@ def _compiled(fn: Any) -> Any:
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                           temperature: float = 1.0, chunk: int | None = None, compiled: bool = False) -> torch.Tensor:
+                           temperature: float = 1.0, chunk: int | None = None, compiled: bool = False,
+                           keep_bytes: int = KEEP_LOGITS_BYTES) -> torch.Tensor:
     """:class:`ChunkedTokenLogprobs` with ``chunk`` from :func:`get_chunk_tokens` when None; ``compiled`` runs
-    each chunk's elementwise arithmetic through ``torch.compile`` (fused kernels; same formulas).
+    each chunk's elementwise arithmetic through ``torch.compile`` (fused kernels; same formulas); logits of at
+    most ``keep_bytes`` are kept for the backward (0: always recompute).
 
     Raises:
         ValueError: ``temperature <= 0``, or mismatched shapes.
@@ -131,7 +161,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
         raise ValueError(f"hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, targets "
                          f"{tuple(targets.shape)}: expected [N, H], [V, H], [N]")
     return ChunkedTokenLogprobs.apply(hidden, weight, targets, float(temperature),
-                                      chunk or get_chunk_tokens(weight.shape[0]), compiled)
+                                      chunk or get_chunk_tokens(weight.shape[0]), compiled, keep_bytes)
 
 
 class LogprobHead(torch.nn.Module):
@@ -139,15 +169,17 @@ class LogprobHead(torch.nn.Module):
 
     With ``request`` None it is the plain linear head (returns logits). With ``request = (positions, targets,
     temperature)`` set (``positions`` ``[N]`` int64 indices into the flattened ``[B * T]`` positions, ``targets``
-    ``[N]``), its forward returns the ``[N]`` logprobs of :func:`chunked_token_logprobs` at those positions.
+    ``[N]``), its forward returns the ``[N]`` logprobs of :func:`chunked_token_logprobs` at those positions
+    (``keep_bytes``: its bound on logits kept for the backward).
     """
 
-    def __init__(self, head: torch.nn.Linear, chunk: int | None = None, compiled: bool = False):
+    def __init__(self, head: torch.nn.Linear, chunk: int | None = None, compiled: bool = False,
+                 keep_bytes: int = KEEP_LOGITS_BYTES):
         super().__init__()
         if getattr(head, "bias", None) is not None:
             raise ValueError("LogprobHead: an LM head with a bias is not supported")
         self.weight = head.weight
-        self.chunk, self.compiled = chunk, compiled
+        self.chunk, self.compiled, self.keep_bytes = chunk, compiled, keep_bytes
         self.request: tuple[torch.Tensor, torch.Tensor, float] | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -155,7 +187,8 @@ class LogprobHead(torch.nn.Module):
             return F.linear(hidden, self.weight)
         positions, targets, temperature = self.request
         flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
-        return chunked_token_logprobs(flat, self.weight, targets, temperature, self.chunk, self.compiled)
+        return chunked_token_logprobs(flat, self.weight, targets, temperature, self.chunk, self.compiled,
+                                      self.keep_bytes)
 
 
 def install_logprob_head(model: torch.nn.Module, chunk: int | None = None, compiled: bool = False) -> bool:
