@@ -189,6 +189,10 @@ TINY_MODEL_NAME = "rlrun-tiny"  # spec.model.name that makes the runtime build t
 
 
 # --- Algorithm defaults applied by the views (no CRD schema default: see OrchestratorView) --------
+# spec.algorithm.microBatchTokens when neither it nor the deprecated microBatchSize is set (the CRD's description
+# says so: with a schema default, a deprecated microBatchSize set alone could not be told apart). 16 documents of
+# 1024 tokens: the 0.6B trainer benchmark's row (benchmarks/README.md, trainer_throughput.py).
+DEFAULT_MICRO_BATCH_TOKENS = 16384
 DEFAULT_MAX_EMPTY_BATCHES = 3      # spec.algorithm.maxEmptyBatches: consecutive empty batches that fail the run
 TRUNCATION_KEEP = "keep"           # spec.algorithm.truncation values (docs/orchestrator.md, "Truncation")
 TRUNCATION_ZERO_REWARD = "zeroReward"

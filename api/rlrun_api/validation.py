@@ -498,17 +498,19 @@ def check_trainer_implemented(trainer: TrainerView, world_size: int | None = Non
 
 
 def get_trainer_deprecations(trainer: TrainerView) -> list[str]:
-    """Deprecated spec fields the trainer still reads, one line each naming the field and its replacement.
+    """Deprecated spec fields the trainer still reads or ignores, one line each naming the field and the fix.
 
-    ``algorithm.microBatchSize`` (samples per padded micro-batch) is read while ``algorithm.microBatchTokens``
-    is unset; its CRD default keeps it present in every defaulted spec, so the line appears for every spec
-    without microBatchTokens.
+    ``algorithm.microBatchSize`` (samples per padded micro-batch, no default) is read when set while
+    ``algorithm.microBatchTokens`` is unset, and ignored when both are set.
     """
+    if trainer.micro_batch_size is None:
+        return []
     if trainer.micro_batch_tokens is None:
         return [f"spec.algorithm.microBatchSize ({trainer.micro_batch_size} samples per padded micro-batch) is "
-                "deprecated; set spec.algorithm.microBatchTokens to pack the rollouts into rows of that many "
-                "tokens"]
-    return []
+                "deprecated; set spec.algorithm.microBatchTokens instead to pack the rollouts into rows of that many "
+                f"tokens (unset, both default to {constants.DEFAULT_MICRO_BATCH_TOKENS}-token rows)"]
+    return [f"spec.algorithm.microBatchSize ({trainer.micro_batch_size}) is deprecated and ignored: "
+            f"spec.algorithm.microBatchTokens ({trainer.micro_batch_tokens}) is set; remove microBatchSize"]
 
 
 def check_environment(environment: dict[str, Any]) -> list[FieldError]:

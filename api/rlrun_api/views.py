@@ -101,6 +101,15 @@ class SpecView:
         return project(spec, cls.READS, cls.IGNORES)
 
 
+def get_micro_batch_tokens(algorithm: Mapping[str, Any]) -> int | None:
+    """``algorithm.microBatchTokens``; unset: None when the deprecated ``microBatchSize`` is set (its padded
+    layout), else :data:`constants.DEFAULT_MICRO_BATCH_TOKENS`."""
+    tokens = algorithm.get("microBatchTokens")
+    if tokens is None and algorithm.get("microBatchSize") is None:
+        return constants.DEFAULT_MICRO_BATCH_TOKENS
+    return tokens
+
+
 @dataclass(frozen=True)
 class TrainerView(SpecView):
     """What the trainer reads: the model, the algorithm (loss, optimiser, schedule, the sampling temperature
@@ -114,7 +123,7 @@ class TrainerView(SpecView):
     model_revision: str | None
     dtype: str
     max_steps: int
-    micro_batch_size: int
+    micro_batch_size: int | None  # the deprecated microBatchSize when set, else None
     learning_rate: float
     weight_decay: float
     max_grad_norm: float
@@ -135,7 +144,9 @@ class TrainerView(SpecView):
     lora_rank: int
     quantization: str
     weight_transport: str = "filesystem"
-    micro_batch_tokens: int | None = None  # None: the deprecated microBatchSize layout (one padded row a sample)
+    # None: the deprecated microBatchSize layout (one padded row a sample); from_spec fills in
+    # constants.DEFAULT_MICRO_BATCH_TOKENS when neither field is set.
+    micro_batch_tokens: int | None = None
     # LoRA (rank 0: full fine-tuning); alpha and targetModules have CRD defaults.
     lora_alpha: float = 16.0
     lora_target_modules: tuple[str, ...] = ()
@@ -156,7 +167,7 @@ class TrainerView(SpecView):
         checkpointing = trainer.get("activationCheckpointing") or {}
         return cls(
             model_name=model["name"], model_revision=model.get("revision"), dtype=model["dtype"],
-            max_steps=alg["maxSteps"], micro_batch_size=alg["microBatchSize"], learning_rate=alg["learningRate"],
+            max_steps=alg["maxSteps"], micro_batch_size=alg.get("microBatchSize"), learning_rate=alg["learningRate"],
             weight_decay=alg["weightDecay"], max_grad_norm=alg["maxGradNorm"], lr_schedule=alg["lrSchedule"],
             lr_warmup_steps=alg["lrWarmupSteps"], temperature=alg["sampling"]["temperature"],
             ratio_low=alg["loss"]["ratioLow"], ratio_high=alg["loss"]["ratioHigh"], kl_coef=alg["loss"]["klCoef"],
@@ -164,7 +175,7 @@ class TrainerView(SpecView):
             use_gpu=use_gpu, nodes=trainer["nodes"], gpus_per_node=trainer["gpusPerNode"],
             fsdp=trainer["parallelism"]["fsdp"], ep=trainer["parallelism"]["ep"], cp=trainer["parallelism"]["cp"],
             lora_rank=trainer["lora"]["rank"], quantization=trainer["quantization"],
-            weight_transport=view["weightSync"]["transport"], micro_batch_tokens=alg.get("microBatchTokens"),
+            weight_transport=view["weightSync"]["transport"], micro_batch_tokens=get_micro_batch_tokens(alg),
             lora_alpha=float(trainer["lora"]["alpha"]), lora_target_modules=tuple(trainer["lora"]["targetModules"]),
             compile=use_gpu if compile_ is None else bool(compile_),
             activation_checkpointing=checkpointing.get("mode") or "none",

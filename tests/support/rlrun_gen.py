@@ -109,7 +109,8 @@ def repair(run_spec: dict[str, Any]) -> dict[str, Any]:
     out = spec.apply_defaults({"spec": copy.deepcopy(run_spec)})["spec"]
     alg = out["algorithm"]
     alg["batchSize"] = alg["rolloutsPerPrompt"] * max(1, alg["batchSize"] // alg["rolloutsPerPrompt"])
-    alg["microBatchSize"] = min(alg["microBatchSize"], alg["batchSize"])
+    if "microBatchSize" in alg:  # deprecated, no default
+        alg["microBatchSize"] = min(alg["microBatchSize"], alg["batchSize"])
     alg["maxOffPolicySteps"] = max(alg["maxOffPolicySteps"], alg["maxAsyncLevel"])
     if alg["loss"]["ratioLow"] >= 1:
         alg["loss"]["ratioLow"] = 0.5

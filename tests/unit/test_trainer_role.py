@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from rlrun_api.spec import apply_defaults
+from rlrun_api import constants
+from rlrun_api.spec import apply_defaults, crd_schema
 from rlrun_api.views import TrainerView
 from rlrun_runtime.checkpoint import truncate_metrics
 from rlrun_api.validation import get_trainer_deprecations
@@ -53,7 +54,19 @@ def test_micro_batch_tokens_is_read_and_micro_batch_size_is_deprecated():
     [note] = get_trainer_deprecations(old)
     assert "spec.algorithm.microBatchSize" in note and "spec.algorithm.microBatchTokens" in note
     new = view(microBatchTokens=4096)
-    assert new.micro_batch_tokens == 4096 and get_trainer_deprecations(new) == []
+    assert new.micro_batch_tokens == 4096 and new.micro_batch_size is None and get_trainer_deprecations(new) == []
+    # neither set: packed rows of the default budget, nothing deprecated
+    default = view()
+    assert default.micro_batch_tokens == constants.DEFAULT_MICRO_BATCH_TOKENS == 16384
+    assert default.micro_batch_size is None and get_trainer_deprecations(default) == []
+    assert f"Default {constants.DEFAULT_MICRO_BATCH_TOKENS} when neither" in " ".join(
+        crd_schema()["properties"]["spec"]["properties"]["algorithm"]["properties"]["microBatchTokens"]
+        ["description"].split())
+    # both set: microBatchTokens wins, and the line says microBatchSize is ignored
+    both = view(microBatchSize=4, microBatchTokens=2048)
+    assert both.micro_batch_tokens == 2048
+    [note] = get_trainer_deprecations(both)
+    assert "ignored" in note and "remove microBatchSize" in note
 
 
 @pytest.mark.timeout(180)

@@ -190,9 +190,11 @@ def test_valid_variations_have_no_errors(tiny_example) -> None:
 
 
 def test_micro_batch_size_is_checked_against_the_batch_only_while_micro_batch_tokens_is_unset(tiny_example):
-    """The deprecated microBatchSize (CRD default 8) binds only the padded layout: with microBatchTokens set it is
-    ignored, so a batch smaller than its default is no error."""
+    """The deprecated microBatchSize (no default since 2026-12-07) binds only the padded layout: with
+    microBatchTokens set it is ignored, and unset it is no error whatever the batch."""
     small = {"spec.algorithm.rolloutsPerPrompt": 2, "spec.algorithm.batchSize": 4}
+    assert "microBatchSize" not in tiny_example["spec"]["algorithm"]
+    assert validate(mutate(tiny_example, small)) == []
     errors = validate(mutate(tiny_example, {**small, "spec.algorithm.microBatchSize": 8}))
     assert [e.path for e in errors] == ["spec.algorithm.microBatchSize"]
     assert "while microBatchTokens is unset" in errors[0].message and "set microBatchTokens" in errors[0].message
