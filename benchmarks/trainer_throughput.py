@@ -13,10 +13,11 @@ Printed per case: tokens/s (real tokens), MFU = tokens/s x (6 N + 6 L H D S) / p
 parameters, for a MoE model the ACTIVE ones (experts counted top_k / num_experts), L layers, H heads, D head
 dim, S the DOCUMENT length, peak 989 TFLOP/s dense bf16), step time, peak GPU memory, and the ratios to the
 compiled and the eager baseline. ``--json PATH`` writes every figure.
-rlrun cases are ``[lora-|fp8-]<layout>[c][a][n|r][g][k][#k]``: layout packed16, var16, packed64, split64 (64
+rlrun cases are ``[lora-|fp8-]<layout>[c][a|s][n|r][g][k][#k]``: layout packed16, var16, packed64, split64 (64
 documents in four micro-batches of 16) or single64; prefix
 ``lora-`` LoRA rank 16 (alpha 32) on q/k/v/o_proj, ``fp8-`` torchao float8 matmuls; suffix ``c`` compiled
-decoder layers (and head), ``a`` activation checkpointing of every layer, ``n`` no FSDP2 wrapper (world size
+decoder layers (and head), ``a`` activation checkpointing of every layer, ``s`` of every second layer (the spec's
+``activationCheckpointing: {mode: selective, layerInterval: 2}``), ``n`` no FSDP2 wrapper (world size
 1, autocast to bf16 over the float32 parameters), ``r`` one FSDP2 unit, the root, instead of one per decoder
 layer, ``g`` FSDP2 gathers the compute copies in every forward (before 2026-12-06 the only way; now they stay
 gathered between steps at world size 1, :mod:`rlrun_runtime.gathered_params`), ``k`` the LM head recomputes
@@ -178,7 +179,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def parse_case(case: str) -> dict[str, Any]:
-    """``[lora-|fp8-]<layout>[c][a][n|r][g][k][#k]`` -> layout, compile, checkpoint, wrap_fsdp, keep_gathered,
+    """``[lora-|fp8-]<layout>[c][a|s][n|r][g][k][#k]`` -> layout, compile, checkpoint, wrap_fsdp, keep_gathered,
     keep_logits, lora_rank, quantization.
 
     Raises:
@@ -188,20 +189,23 @@ def parse_case(case: str) -> dict[str, Any]:
     prefix, _, name = name.rpartition("-")
     if prefix not in ("", "lora", "fp8"):
         raise ValueError(f"unknown case prefix {prefix!r}: use lora- or fp8-")
-    layout = name.rstrip("canrgk")
+    layout = name.rstrip("casnrgk")
     flags = name[len(layout):]
     from rlrun_runtime.trainer import ROOT_ONLY
 
     if "n" in flags and "r" in flags:
         raise ValueError(f"case {case!r}: n (no FSDP2) and r (root-only FSDP2) exclude each other")
     wrap: bool | str = False if "n" in flags else ROOT_ONLY if "r" in flags else True
-    return {"layout": layout, "compile": "c" in flags, "checkpoint": "a" in flags, "wrap_fsdp": wrap,
+    if "a" in flags and "s" in flags:
+        raise ValueError(f"case {case!r}: a (every layer) and s (every second layer) exclude each other")
+    checkpoint: bool | str = "selective" if "s" in flags else "a" in flags
+    return {"layout": layout, "compile": "c" in flags, "checkpoint": checkpoint, "wrap_fsdp": wrap,
             "keep_gathered": False if "g" in flags else None, "keep_logits": "k" not in flags,
             "lora_rank": 16 if prefix == "lora" else 0, "quantization": "fp8" if prefix == "fp8" else "none"}
 
 
 def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compile_layers: bool,
-              checkpoint_layers: bool, device: torch.device, warmup: int, steps: int,
+              checkpoint_layers: bool | str, device: torch.device, warmup: int, steps: int,
               profile: bool = False, wrap_fsdp: bool | str = True, lora_rank: int = 0,
               quantization: str = "none", keep_gathered: bool | None = None,
               keep_logits: bool = True) -> dict[str, Any]:
@@ -220,10 +224,11 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
                       dtype="bfloat16" if device.type == "cuda" else "float32", use_gpu=device.type == "cuda",
                       nodes=1, gpus_per_node=int(device.type == "cuda"), fsdp=-1, ep=1, cp=1, lora_rank=lora_rank,
                       quantization=quantization, micro_batch_tokens=budget, lora_alpha=2.0 * lora_rank,
-                      lora_target_modules=LORA_TARGETS)
+                      lora_target_modules=LORA_TARGETS,
+                      activation_checkpointing="selective" if checkpoint_layers == "selective" else "none")
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-storage-") as storage_dir:
         trainer = Trainer(cfg, RunStorage(storage_dir), str(model_dir), 0, 1, device, compile_layers=compile_layers,
-                          checkpoint_layers=checkpoint_layers, wrap_fsdp=wrap_fsdp, keep_gathered=keep_gathered)
+                          checkpoint_layers=None if checkpoint_layers == "selective" else checkpoint_layers, wrap_fsdp=wrap_fsdp, keep_gathered=keep_gathered)
         if not keep_logits:
             from rlrun_runtime.logprobs import LogprobHead
 
