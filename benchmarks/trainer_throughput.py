@@ -228,7 +228,8 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
                       activation_checkpointing="selective" if checkpoint_layers == "selective" else "none")
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-storage-") as storage_dir:
         trainer = Trainer(cfg, RunStorage(storage_dir), str(model_dir), 0, 1, device, compile_layers=compile_layers,
-                          checkpoint_layers=None if checkpoint_layers == "selective" else checkpoint_layers, wrap_fsdp=wrap_fsdp, keep_gathered=keep_gathered)
+                          checkpoint_layers=None if checkpoint_layers == "selective" else checkpoint_layers,
+                          wrap_fsdp=wrap_fsdp, keep_gathered=keep_gathered)
         if not keep_logits:
             from rlrun_runtime.logprobs import LogprobHead
 

@@ -510,7 +510,8 @@ def get_trainer_deprecations(trainer: TrainerView) -> list[str]:
                 "deprecated; set spec.algorithm.microBatchTokens instead to pack the rollouts into rows of that many "
                 f"tokens (unset, both default to {constants.DEFAULT_MICRO_BATCH_TOKENS}-token rows)"]
     return [f"spec.algorithm.microBatchSize ({trainer.micro_batch_size}) is deprecated and ignored: "
-            f"spec.algorithm.microBatchTokens ({trainer.micro_batch_tokens}) is set; remove microBatchSize"]
+            f"spec.algorithm.microBatchTokens ({trainer.micro_batch_tokens}) is set; remove microBatchSize (an "
+            "RLRun created before 2026-12-07 may carry 8 from the schema's former default without a user setting it)"]
 
 
 def check_environment(environment: dict[str, Any]) -> list[FieldError]:

@@ -157,6 +157,11 @@ class TrainerView(SpecView):
     activation_checkpointing: str = "none"
     checkpoint_layer_interval: int = 2
 
+    def __post_init__(self) -> None:
+        if self.micro_batch_tokens is None and self.micro_batch_size is None:
+            raise ValueError("TrainerView: micro_batch_tokens or micro_batch_size must be set (from_spec fills in "
+                             "constants.DEFAULT_MICRO_BATCH_TOKENS)")
+
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> "TrainerView":
         """The view of a defaulted spec (``apply_defaults(rlrun)["spec"]``)."""

@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 CHUNK_BYTES = 1 << 30  # float32 logits of one chunk: about 1 GiB
-# Logits kept for the backward up to this size: 16,384 tokens x 151,936 words in bf16 is 4.6 GiB. Keeping them
-# saves one [N, H] x [H, V] matrix product per step (a third of the head's); measured in benchmarks/README.md.
+# Logits kept for the backward up to this size: 16,384 tokens x 151,936 words in bf16 is 4.6 GiB, held from the
+# end of the forward to the head's backward (the peak of a step). Keeping them saves one [N, H] x [H, V] matrix
+# product of the head's four per step (the backward's recompute).
 KEEP_LOGITS_BYTES = 5 << 30
 
 
@@ -40,8 +41,8 @@ def get_logit_dtype(dtype: torch.dtype) -> torch.dtype:
 def get_matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype ``F.linear(hidden, weight)`` returns here: the autocast dtype under autocast, else the weight's."""
     device = hidden.device.type
-    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
+    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device) and weight.dtype != torch.float64:
+        return torch.get_autocast_dtype(device)  # autocast leaves float64 alone
     return weight.dtype
 
 
@@ -64,7 +65,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         count, dtype = hidden.shape[0], get_logit_dtype(weight.dtype)
         out = torch.empty(count, dtype=dtype, device=hidden.device)
         lse = torch.empty(count, dtype=dtype, device=hidden.device)
-        itemsize = torch.empty((), dtype=get_matmul_dtype(hidden, weight)).element_size()
+        itemsize = get_matmul_dtype(hidden, weight).itemsize
         kept = F.linear(hidden, weight) if count * weight.shape[0] * itemsize <= keep_bytes else None
         forward_chunk = _compiled(_forward_chunk) if compiled else _forward_chunk
         for start in range(0, count, chunk):
@@ -76,11 +77,24 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         else:
             ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk, ctx.compiled = temperature, chunk, compiled
+        # The backward recomputes or multiplies in the forward's matmul dtype: custom_bwd restores CUDA's
+        # autocast state, this the CPU's (an unwrapped bf16 model on CPU runs under CPU autocast).
+        device = hidden.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device) if device in ("cuda", "cpu") else False,
+                        torch.get_autocast_dtype(device) if device in ("cuda", "cpu") else None)
         return out
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        device, enabled, autocast_dtype = ctx.autocast
+        if not enabled:
+            return ChunkedTokenLogprobs._backward(ctx, grad_out)
+        with torch.autocast(device, dtype=autocast_dtype):
+            return ChunkedTokenLogprobs._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         hidden, weight, targets, lse, *kept = ctx.saved_tensors
         kept = kept[0] if kept else None
         temperature, chunk = ctx.temperature, ctx.chunk
@@ -150,7 +164,8 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
                            keep_bytes: int = KEEP_LOGITS_BYTES) -> torch.Tensor:
     """:class:`ChunkedTokenLogprobs` with ``chunk`` from :func:`get_chunk_tokens` when None; ``compiled`` runs
     each chunk's elementwise arithmetic through ``torch.compile`` (fused kernels; same formulas); logits of at
-    most ``keep_bytes`` are kept for the backward (0: always recompute).
+    most ``keep_bytes`` are kept for the backward (0: always recompute; never kept when no gradient is wanted:
+    grad mode off, or neither ``hidden`` nor ``weight`` requires one).
 
     Raises:
         ValueError: ``temperature <= 0``, or mismatched shapes.
@@ -160,6 +175,8 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, targets "
                          f"{tuple(targets.shape)}: expected [N, H], [V, H], [N]")
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        keep_bytes = 0  # no backward will consume them: a chunk at a time bounds the peak
     return ChunkedTokenLogprobs.apply(hidden, weight, targets, float(temperature),
                                       chunk or get_chunk_tokens(weight.shape[0]), compiled, keep_bytes)
 
@@ -191,7 +208,8 @@ class LogprobHead(torch.nn.Module):
                                       self.keep_bytes)
 
 
-def install_logprob_head(model: torch.nn.Module, chunk: int | None = None, compiled: bool = False) -> bool:
+def install_logprob_head(model: torch.nn.Module, chunk: int | None = None, compiled: bool = False,
+                         keep_bytes: int = KEEP_LOGITS_BYTES) -> bool:
     """Replace ``model.lm_head`` (a bias-free ``nn.Linear``) by a :class:`LogprobHead` sharing its weight
     (tied embeddings stay tied); returns whether it was installed (False: no such head, left as it is)."""
     head = getattr(model, "lm_head", None)
@@ -199,5 +217,5 @@ def install_logprob_head(model: torch.nn.Module, chunk: int | None = None, compi
         return True
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         return False
-    model.lm_head = LogprobHead(head, chunk, compiled)
+    model.lm_head = LogprobHead(head, chunk, compiled, keep_bytes)
     return True

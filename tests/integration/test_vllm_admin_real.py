@@ -464,9 +464,11 @@ def test_sigterm_drains_running_requests_instead_of_aborting_them(engine):
     is refused by the engine and ends as 'abort' (seen once on a fresh, cold server: the engine held 1 of 128);
     that is vLLM's answer to new work on a stopping server, and counted apart. A run where the engine held
     fewer than half of the sequences tests little: the scenario then runs again on a fresh, warmed-up server
-    (at most DRAIN_ATTEMPTS servers)."""
+    (at most DRAIN_ATTEMPTS servers), and the last run must hold at least half. Every server gets one
+    completion first: a process's first completion is slow to reach the engine."""
     url, storage, proc = engine
     root = storage.parent
+    greedy(url, [5, 6, 7, 8], 0)  # run alone (-k), the module's server is cold too
     outcome = _sigterm_scenario(url, proc, root / "vllm.log")
     attempts = 1
     while outcome["drained"] < DRAIN_REQUESTS * DRAIN_CHOICES // 2 and attempts < DRAIN_ATTEMPTS:
@@ -483,14 +485,14 @@ def test_sigterm_drains_running_requests_instead_of_aborting_them(engine):
     assert not bad, bad[:3]
     sequences = [(reason, tokens) for r in replies for reason, tokens in zip(r["reasons"], r["tokens"], strict=True)]
     full = sum(s == ("length", max_tokens) for s in sequences)
-    refused = sum(reason == "abort" for reason, _ in sequences)
+    refused = sum(s == ("abort", 0) for s in sequences)  # refused before any token, not cut short
     drained = outcome["drained"]
     print(f"\nSIGTERM with {DRAIN_REQUESTS} requests x {DRAIN_CHOICES} of {max_tokens} tokens sent to the engine "
           f"(attempt {attempts}): the engine drained {drained} sequences, {full} ended with their full length, "
           f"{refused} were refused as the shutdown began; exited {exited_after:.1f} s after the signal")
-    assert outcome["done_before_signal"] == 0  # no reply had arrived when the signal was sent
-    # the drain path ran with sequences in the engine (vLLM's abort mode logs no drain and aborts them all)
-    assert drained > 0, outcome["text"][-3000:]
+    assert outcome["done_before_signal"] == 0  # a sanity check: no reply had arrived when the signal was sent
+    # the drain path ran with most sequences in the engine (vLLM's abort mode logs no drain and aborts them all)
+    assert drained >= DRAIN_REQUESTS * DRAIN_CHOICES // 2, outcome["text"][-3000:]
     assert len(sequences) == DRAIN_REQUESTS * DRAIN_CHOICES
     # every sequence the engine held ran to max_tokens; the others were refused, none cut short
     assert full >= drained and full + refused == len(sequences), sequences

@@ -278,6 +278,27 @@ def test_kept_logits_match_recomputed_ones_in_bf16_and_compiled_and_are_consumed
         values.sum().backward()
 
 
+@pytest.mark.parametrize("keep_bytes", [0, 1 << 20], ids=["recomputed", "kept"])
+def test_logprobs_under_cpu_autocast_backward_in_the_forward_dtype(keep_bytes):
+    """An unwrapped bf16 model on CPU: float32 weights, the forward under CPU autocast, the backward outside it
+    (as the Trainer runs them). The backward multiplies and recomputes in bf16 as the forward did (mixed dtypes
+    used to fail in the kept path, and the recompute path rebuilt float32 logits against bf16 log-sum-exps)."""
+    gen = torch.Generator().manual_seed(11)
+    hidden = torch.randn(21, 32, generator=gen).requires_grad_()
+    weight = (torch.randn(97, 32, generator=gen) * 0.2).requires_grad_()
+    targets = torch.randint(0, 97, (21,), generator=gen)
+    upstream = torch.randn(21, generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        values = chunked_token_logprobs(hidden, weight, targets, 0.7, 5, keep_bytes=keep_bytes)
+    (values * upstream).sum().backward()
+    h, w = hidden.detach().bfloat16().double().requires_grad_(), weight.detach().bfloat16().double().requires_grad_()
+    exact = torch.log_softmax((h @ w.t()) / 0.7, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    (exact * upstream.double()).sum().backward()
+    assert hidden.grad.dtype == weight.grad.dtype == torch.float32
+    for got, expected in ((values, exact), (hidden.grad, h.grad), (weight.grad, w.grad)):
+        assert (got.double() - expected.detach()).abs().max() <= 1e-2 * expected.abs().max()
+
+
 def test_on_device_metrics_equal_the_host_metrics():
     args = (torch.tensor([LT]), torch.tensor([LI]), torch.full((1, 5), ADV), torch.tensor([MASK]), 4, 0.125, 8.0,
             0.05, torch.tensor([[False, True, True, False, False]]), 2)
