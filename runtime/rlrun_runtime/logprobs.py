@@ -55,7 +55,9 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     the backward). Gradients flow to ``hidden`` and ``weight``. Under CUDA autocast (an unwrapped model,
     float32 weights) the backward's matrix products run in the autocast dtype as the forward's do
     (``torch.amp.custom_bwd``), not in float32. With kept logits the backward consumes them (in place): a
-    second backward through the same graph raises torch's in-place modification error.
+    second backward through the same graph raises torch's in-place modification error. When the device has
+    no room for all the logits (``torch.OutOfMemoryError`` on their allocation, at the step's peak) the
+    chunks are recomputed instead, as with ``keep_bytes`` 0.
     """
 
     @staticmethod
@@ -65,8 +67,12 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         count, dtype = hidden.shape[0], get_logit_dtype(weight.dtype)
         out = torch.empty(count, dtype=dtype, device=hidden.device)
         lse = torch.empty(count, dtype=dtype, device=hidden.device)
-        itemsize = get_matmul_dtype(hidden, weight).itemsize
-        kept = F.linear(hidden, weight) if count * weight.shape[0] * itemsize <= keep_bytes else None
+        kept = None
+        if count * weight.shape[0] * get_matmul_dtype(hidden, weight).itemsize <= keep_bytes:
+            try:
+                kept = F.linear(hidden, weight)
+            except torch.OutOfMemoryError:  # no room for all of them at this step's peak: recompute instead
+                kept = None
         forward_chunk = _compiled(_forward_chunk) if compiled else _forward_chunk
         for start in range(0, count, chunk):
             end = min(count, start + chunk)

@@ -299,6 +299,35 @@ def test_logprobs_under_cpu_autocast_backward_in_the_forward_dtype(keep_bytes):
         assert (got.double() - expected.detach()).abs().max() <= 1e-2 * expected.abs().max()
 
 
+def test_kept_logits_fall_back_to_recomputing_when_their_allocation_runs_out_of_memory(monkeypatch):
+    """The one [N, V] product that would keep every logit raises OutOfMemoryError (a full GPU at the step's
+    peak): the head recomputes chunk by chunk instead, with the same values and gradients."""
+    import rlrun_runtime.logprobs as logprobs
+
+    gen = torch.Generator().manual_seed(3)
+    hidden0, weight0 = torch.randn(13, 8, generator=gen), torch.randn(50, 8, generator=gen)
+    targets = torch.randint(0, 50, (13,), generator=gen)
+    linear, calls = logprobs.F.linear, []
+
+    def linear_without_room(h, w):
+        calls.append(h.shape[0])
+        if h.shape[0] == 13:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return linear(h, w)
+
+    results = []
+    for patched in (False, True):
+        if patched:
+            monkeypatch.setattr(logprobs.F, "linear", linear_without_room)
+        hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+        values = chunked_token_logprobs(hidden, weight, targets, 0.8, 4, keep_bytes=1 << 20)
+        values.sum().backward()
+        results.append((values.detach(), hidden.grad, weight.grad))
+    assert calls[0] == 13 and set(calls[1:]) == {4, 1}  # tried once, then chunks in the forward and backward
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_on_device_metrics_equal_the_host_metrics():
     args = (torch.tensor([LT]), torch.tensor([LI]), torch.full((1, 5), ADV), torch.tensor([MASK]), 4, 0.125, 8.0,
             0.05, torch.tensor([[False, True, True, False, False]]), 2)
