@@ -52,16 +52,15 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
 
     Inputs: ``hidden`` ``[N, H]``, ``weight`` ``[V, H]`` (same dtype), ``targets`` ``[N]`` int64,
     ``temperature`` (> 0), ``chunk`` tokens per chunk, ``keep_bytes`` (logits up to this size are kept for
-    the backward). Gradients flow to ``hidden`` and ``weight``. Under CUDA autocast (an unwrapped model,
-    float32 weights) the backward's matrix products run in the autocast dtype as the forward's do
-    (``torch.amp.custom_bwd``), not in float32. With kept logits the backward consumes them (in place): a
+    the backward). Gradients flow to ``hidden`` and ``weight``. Under CUDA or CPU autocast (an unwrapped
+    model, float32 weights) the backward's matrix products run in the autocast dtype as the forward's do, not
+    in float32. With kept logits the backward consumes them (in place): a
     second backward through the same graph raises torch's in-place modification error. When the device has
     no room for all the logits (``torch.OutOfMemoryError`` on their allocation, at the step's peak) the
     chunks are recomputed instead, as with ``keep_bytes`` 0.
     """
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
                 chunk: int, compiled: bool = False, keep_bytes: int = KEEP_LOGITS_BYTES) -> torch.Tensor:
         count, dtype = hidden.shape[0], get_logit_dtype(weight.dtype)
@@ -83,15 +82,14 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         else:
             ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk, ctx.compiled = temperature, chunk, compiled
-        # The backward recomputes or multiplies in the forward's matmul dtype: custom_bwd restores CUDA's
-        # autocast state, this the CPU's (an unwrapped bf16 model on CPU runs under CPU autocast).
+        # The backward recomputes and multiplies in the forward's matmul dtype: it re-enters the autocast state
+        # of the forward (an unwrapped model computes under autocast; autograd runs the backward outside it).
         device = hidden.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device) if device in ("cuda", "cpu") else False,
                         torch.get_autocast_dtype(device) if device in ("cuda", "cpu") else None)
         return out
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         device, enabled, autocast_dtype = ctx.autocast
         if not enabled:
