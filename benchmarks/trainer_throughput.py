@@ -345,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                 out["tokens_per_s"] = out["tokens"] / out["step_s"]
                 out["mfu"] = get_mfu(out["tokens_per_s"], out["active_params"], shape, seq_len)
             except torch.OutOfMemoryError as exc:
+                traceback.print_exc()  # where the allocation was asked for
                 out = {"error": f"out of memory: {str(exc).splitlines()[0]}", "peak_gib": peak_gib(device)}
             except Exception as exc:  # noqa: BLE001 - a failed case is reported, the others still run
                 traceback.print_exc()

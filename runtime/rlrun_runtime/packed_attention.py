@@ -29,19 +29,36 @@ def get_dense_document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 def get_block_document_mask(doc_ids: torch.Tensor) -> Any:
-    """FlexAttention ``BlockMask`` of the same pattern as :func:`get_dense_document_mask` (CUDA tensors).
+    """FlexAttention ``BlockMask`` of the same pattern as :func:`get_dense_document_mask` (any device; the
+    trainer uses it on CUDA).
+
+    ``create_block_mask`` runs compiled: eager, it evaluates ``mask_mod`` over the whole ``[T, T]`` grid with
+    int64 intermediates, a 32 GiB allocation at T = 65,536 (the out-of-memory error of ``packed64cs`` on an H100,
+    2026-12-07; benchmarks/README.md). Compiled, it reduces block by block. One graph serves every ``doc_ids``
+    of a row length.
 
     Raises:
         ImportError: this torch has no FlexAttention.
     """
-    from torch.nn.attention.flex_attention import create_block_mask
-
     batch, length = doc_ids.shape
 
     def mask_mod(b, h, q, k):
         return (doc_ids[b, q] == doc_ids[b, k]) & (q >= k)
 
-    return create_block_mask(mask_mod, batch, None, length, length, device=doc_ids.device)
+    return _get_compiled_create_block_mask()(mask_mod, batch, None, length, length, device=doc_ids.device)
+
+
+_COMPILED_CREATE_BLOCK_MASK: Any = None
+
+
+def _get_compiled_create_block_mask() -> Any:
+    """``torch.compile(create_block_mask)``, built once per process (compiling happens at the first call)."""
+    global _COMPILED_CREATE_BLOCK_MASK
+    if _COMPILED_CREATE_BLOCK_MASK is None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        _COMPILED_CREATE_BLOCK_MASK = torch.compile(create_block_mask)
+    return _COMPILED_CREATE_BLOCK_MASK
 
 
 def get_model_inputs(mb: Any, device: torch.device, attn_implementation: str) -> dict[str, Any]:

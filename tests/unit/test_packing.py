@@ -7,7 +7,7 @@ import torch
 
 from rlrun_runtime.logprobs import install_logprob_head
 from rlrun_runtime.loss import token_logprobs
-from rlrun_runtime.packed_attention import get_dense_document_mask
+from rlrun_runtime.packed_attention import get_block_document_mask, get_dense_document_mask
 from rlrun_runtime.packing import (
     MicroBatch,
     count_loss_tokens,
@@ -168,6 +168,35 @@ def test_dense_document_mask_is_block_diagonal_causal():
                     [0, 0, 1, 1, 0, 0],
                     [0, 0, 1, 1, 1, 0],
                     [0, 0, 0, 0, 0, 1]]
+
+
+@pytest.mark.timeout(300)
+def test_block_document_mask_matches_the_dense_mask_for_every_layout():
+    """The compiled ``create_block_mask`` (one graph for all layouts of a length) gives, for two different
+    layouts in turn, exactly the dense mask's blocks: a block is listed iff any position in it may attend and is
+    full iff all may; FlexAttention through it equals SDPA through the dense mask."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    length, block = 512, 128
+    for sizes in ([100, 300, 50], [128, 128, 200, 10, 1]):
+        ids = torch.full((1, length), -1)
+        start = 0
+        for doc, size in enumerate(sizes):
+            ids[0, start:start + size] = doc
+            start += size
+        dense = get_dense_document_mask(ids)[0, 0]
+        mask = get_block_document_mask(ids)
+        tiles = dense.view(length // block, block, length // block, block).permute(0, 2, 1, 3).flatten(2)
+        listed = mask.to_dense()[0, 0].bool()
+        kv_num, kv_idx, full_num, full_idx = (t[0, 0] for t in mask.as_tuple()[2:6])
+        full = torch.zeros_like(listed)
+        for row in range(length // block):
+            full[row, full_idx[row, :full_num[row]]] = True
+        assert torch.equal(listed, tiles.any(-1)), sizes
+        assert torch.equal(full, tiles.all(-1)), sizes
+        q, k, v = (torch.randn(1, 2, length, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+        torch.testing.assert_close(flex_attention(q, k, v, block_mask=mask), want, rtol=1e-5, atol=1e-5)
 
 
 def _reference_logprobs(model, sample, temperature):
