@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 PEAK_FLOPS = 989e12  # dense bf16 H100/H200, as prime-rl's MFU
 SHAPES = {
@@ -208,11 +209,12 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
               checkpoint_layers: bool | str, device: torch.device, warmup: int, steps: int,
               profile: bool = False, wrap_fsdp: bool | str = True, lora_rank: int = 0,
               quantization: str = "none", keep_gathered: bool | None = None,
-              keep_logits: bool = True) -> dict[str, Any]:
+              keep_logits: bool = True, cp: int = 1) -> dict[str, Any]:
     """rlrun's ``Trainer`` (FSDP2 at world size 1 unless ``wrap_fsdp`` is False, fp32 master weights, bf16
     compute on GPU) on ``samples``, with LoRA of ``lora_rank`` on :data:`LORA_TARGETS` (alpha 2 x rank) or
-    ``quantization`` fp8; ``keep_logits`` False: the LM head recomputes its logits in the backward; ``profile``:
-    one more step under torch.profiler, its top GPU kernels printed."""
+    ``quantization`` fp8; ``keep_logits`` False: the LM head recomputes its logits in the backward; ``cp``: the
+    context-parallel degree over the torchrun world (every rank of a group runs its shard of each row);
+    ``profile``: one more step under torch.profiler, its top GPU kernels printed."""
     from rlrun_api.views import TrainerView
     from rlrun_runtime.storage import RunStorage
     from rlrun_runtime.trainer import Trainer
@@ -222,12 +224,13 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
                       lr_warmup_steps=0, temperature=1.0, ratio_low=0.125, ratio_high=8.0, kl_coef=0.0,
                       checkpoint_interval=10**6, checkpoint_keep=1,
                       dtype="bfloat16" if device.type == "cuda" else "float32", use_gpu=device.type == "cuda",
-                      nodes=1, gpus_per_node=int(device.type == "cuda"), fsdp=-1, ep=1, cp=1, lora_rank=lora_rank,
+                      nodes=1, gpus_per_node=int(device.type == "cuda"), fsdp=-1, ep=1, cp=cp, lora_rank=lora_rank,
                       quantization=quantization, micro_batch_tokens=budget, lora_alpha=2.0 * lora_rank,
                       lora_target_modules=LORA_TARGETS,
                       activation_checkpointing="selective" if checkpoint_layers == "selective" else "none")
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-storage-") as storage_dir:
-        trainer = Trainer(cfg, RunStorage(storage_dir), str(model_dir), 0, 1, device, compile_layers=compile_layers,
+        trainer = Trainer(cfg, RunStorage(storage_dir), str(model_dir), dist.get_rank(), dist.get_world_size(),
+                          device, compile_layers=compile_layers,
                           checkpoint_layers=None if checkpoint_layers == "selective" else checkpoint_layers,
                           wrap_fsdp=wrap_fsdp, keep_gathered=keep_gathered)
         if not keep_logits:
@@ -281,6 +284,7 @@ def save_random_model(shape: dict[str, Any], model_dir: Path, device: torch.devi
 
 
 def init_world_of_one(device: torch.device) -> None:
+    """A world of one, or torchrun's world when started under torchrun (``--cp``)."""
     from rlrun_runtime.trainer import init_distributed
 
     init_distributed(device.type == "cuda")
@@ -302,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--row-multiple", type=int, default=0,
                         help="pad packed GPU rows to a multiple of this many tokens instead of the trainer's "
                              "GPU_ROW_MULTIPLE (each distinct row length is one more compiled kernel)")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel degree of the rlrun cases; run under torchrun with --cp processes "
+                             "(one per GPU) and a --model-dir built beforehand; rank 0 prints")
     parser.add_argument("--model-dir", default=None,
                         help="keep the random model here (built when the directory has no config.json, else reused: "
                              "one process per case without rebuilding it)")
@@ -314,7 +321,12 @@ def main(argv: list[str] | None = None) -> int:
         import rlrun_runtime.trainer as trainer_module
 
         trainer_module.GPU_ROW_MULTIPLE = args.row_multiple
-    init_world_of_one(device)
+    init_world_of_one(device)  # or torchrun's world (--cp)
+    if dist.get_world_size() != args.cp:
+        parser.error(f"--cp {args.cp} needs a world of {args.cp} processes (torchrun --nproc-per-node {args.cp}), "
+                     f"not {dist.get_world_size()}")
+    if dist.get_rank() != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - rank 0 prints the figures
     results: dict[str, Any] = {"shape": args.shape, "device": str(device), "torch": torch.__version__,
                                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cases": {}}
@@ -339,11 +351,13 @@ def main(argv: list[str] | None = None) -> int:
                                     spec["compile"], spec["checkpoint"], device, args.warmup, args.steps,
                                     profile=case == args.profile, wrap_fsdp=spec["wrap_fsdp"],
                                     lora_rank=spec["lora_rank"], quantization=spec["quantization"],
-                                    keep_gathered=spec["keep_gathered"], keep_logits=spec["keep_logits"])
+                                    keep_gathered=spec["keep_gathered"], keep_logits=spec["keep_logits"],
+                                    cp=args.cp)
                     seq_len = round(sum(lengths) / len(lengths))
                     out["mean_doc_len"] = seq_len
                 out["tokens_per_s"] = out["tokens"] / out["step_s"]
-                out["mfu"] = get_mfu(out["tokens_per_s"], out["active_params"], shape, seq_len)
+                # per GPU: a context-parallel group of --cp GPUs runs the step's tokens together
+                out["mfu"] = get_mfu(out["tokens_per_s"] / args.cp, out["active_params"], shape, seq_len)
             except torch.OutOfMemoryError as exc:
                 traceback.print_exc()  # where the allocation was asked for
                 out = {"error": f"out of memory: {str(exc).splitlines()[0]}", "peak_gib": peak_gib(device)}
@@ -355,8 +369,6 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 Path(args.json).write_text(json.dumps(results, indent=1))
     print_table(results)
-    import torch.distributed as dist
-
     dist.destroy_process_group()
     return 0
 

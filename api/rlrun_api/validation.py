@@ -14,7 +14,7 @@ it runs, on the object after ``spec.apply_defaults``:
 3. semantic checks that a schema cannot express (P:D sizing, autoscaling bounds against the sized pools,
    trainer parallelism degrees, builtin environment names, metadata.name present, spec.pod.env not
    replacing the runtime's own variables nor a W&B key from spec.tracking, features this release does
-   not implement yet: LoRA on the head or embeddings, mxfp8, ep/cp > 1, partial FSDP — checked last, only when nothing
+   not implement yet: LoRA on the head or embeddings, mxfp8, ep > 1, partial FSDP — checked last, only when nothing
    else is wrong). They run only when step 1 found nothing, because they read
    many fields at once and need them well typed; an error whose path a CEL rule already reported is not
    repeated.
@@ -432,7 +432,7 @@ def check_parallelism(trainer: dict[str, Any]) -> list[FieldError]:
 def check_implemented(run_spec: dict[str, Any], world_size: int | None = None) -> list[FieldError]:
     """Spec features the CRD can describe but this release's runtime does not implement.
 
-    Silently ignoring LoRA on the head or embeddings, mxfp8, expert/context parallelism or a partial FSDP
+    Silently ignoring LoRA on the head or embeddings, mxfp8, expert parallelism or a partial FSDP
     degree would run a different experiment than the spec describes, so they are refused
     here (the operator reports InvalidSpec, `rlrun validate`/`rlrun local` exit 2) and again by the trainer
     (:func:`check_trainer_implemented` with its actual rank count).
@@ -457,7 +457,7 @@ def check_implemented(run_spec: dict[str, Any], world_size: int | None = None) -
 
 def check_trainer_implemented(trainer: TrainerView, world_size: int | None = None) -> list[FieldError]:
     """The trainer's share of :func:`check_implemented`: LoRA on the LM head or embeddings, LoRA with fp8,
-    mxfp8, ep/cp and a partial FSDP degree.
+    mxfp8, ep, a cp the ranks cannot hold (or with padded micro-batches) and a partial FSDP degree.
 
     fp8 itself passes here (the CRD's rule already refuses it without GPUs); the trainer refuses it at start
     on a GPU below compute capability 8.9 (``rlrun_runtime.fp8.check_quantization``), which only it can see.
@@ -484,16 +484,30 @@ def check_trainer_implemented(trainer: TrainerView, world_size: int | None = Non
         out.append(FieldError("spec.trainer.quantization", "mxfp8 needs NVIDIA Blackwell GPUs (SM100, compute "
                                                            "capability 10.0) and is not implemented yet; set fp8 "
                                                            "(Ada/Hopper) or none"))
-    for key, value in (("ep", trainer.ep), ("cp", trainer.cp)):
-        if value != 1:
-            ranks = (f"{value} needs at least {value} trainer ranks and this trainer has {world}; "
-                     if world < value else f"{value}: ")
-            out.append(FieldError(f"spec.trainer.parallelism.{key}", f"{ranks}expert and context parallelism are "
-                                                                      "not implemented yet; set 1"))
-    if trainer.fsdp not in (-1, world):
-        out.append(FieldError("spec.trainer.parallelism.fsdp", f"{trainer.fsdp} does not match the {world} trainer "
-                                                               "rank(s) (hybrid sharding is not implemented yet); "
-                                                               "set -1"))
+    if trainer.ep != 1:
+        ranks = (f"{trainer.ep} needs at least {trainer.ep} trainer ranks and this trainer has {world}; "
+                 if world < trainer.ep else f"{trainer.ep}: ")
+        out.append(FieldError("spec.trainer.parallelism.ep", f"{ranks}expert parallelism is not implemented yet; "
+                                                             "set 1"))
+    cp = trainer.cp
+    if cp != 1 and world < cp:
+        out.append(FieldError("spec.trainer.parallelism.cp", f"{cp} needs at least {cp} trainer ranks and this "
+                                                             f"trainer has {world} (nodes x gpusPerNode); add "
+                                                             "ranks or set 1"))
+    elif cp != 1 and world % cp:
+        out.append(FieldError("spec.trainer.parallelism.cp", f"{cp} does not divide the {world} trainer ranks; pick "
+                                                             f"a divisor of {world}"))
+    elif cp != 1 and not trainer.micro_batch_tokens:
+        out.append(FieldError("spec.trainer.parallelism.cp", f"{cp} shards packed rows, and "
+                                                             "algorithm.microBatchSize alone selects padded ones; "
+                                                             "set algorithm.microBatchTokens (or remove "
+                                                             "microBatchSize)"))
+    # FSDP2 shards over every rank; with cp > 1 that is torchtitan's fsdp = world / cp (dp_shard x cp ranks).
+    full = world // cp if cp >= 1 and world % cp == 0 else world
+    if trainer.fsdp not in (-1, full):
+        out.append(FieldError("spec.trainer.parallelism.fsdp", f"{trainer.fsdp} does not match the {full} "
+                                                               "data-parallel trainer rank(s) (hybrid sharding is "
+                                                               "not implemented yet); set -1"))
     return out
 
 

@@ -14,38 +14,47 @@ from typing import Any
 import torch
 
 FLEX_ATTENTION = "flex_attention"
+# transformers attention-implementation names of :func:`rlrun_runtime.context_parallel.install_context_parallel`
+# (SDPA and FlexAttention behind a gather of the row's keys and values).
+CP_SDPA = "rlrun_cp_sdpa"
+CP_FLEX_ATTENTION = "rlrun_cp_flex_attention"
 
 
-def get_dense_document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean ``[B, 1, T, T]`` mask (True = may attend) from ``doc_ids`` ``[B, T]`` (int64, any device).
+def get_dense_document_mask(doc_ids: torch.Tensor, query_offset: int = 0, query_len: int | None = None
+                            ) -> torch.Tensor:
+    """Boolean ``[B, 1, Tq, T]`` mask (True = may attend) from the row's ``doc_ids`` ``[B, T]`` (int64, any
+    device) for the ``Tq = query_len`` queries from row position ``query_offset`` on (None: the rest of the
+    row; a context-parallel shard is part of it, :mod:`rlrun_runtime.context_parallel`).
 
     The padding tail (``doc_ids == -1``) forms one more document of its own, so no row is all False (SDPA
     would return NaN there).
     """
-    positions = torch.arange(doc_ids.shape[-1], device=doc_ids.device)
-    causal = positions.view(1, -1, 1) >= positions.view(1, 1, -1)
-    same = doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)
+    keys = torch.arange(doc_ids.shape[-1], device=doc_ids.device)
+    end = doc_ids.shape[-1] if query_len is None else query_offset + query_len
+    causal = keys[query_offset:end].view(1, -1, 1) >= keys.view(1, 1, -1)
+    same = doc_ids[:, query_offset:end].unsqueeze(-1) == doc_ids.unsqueeze(-2)
     return (same & causal).unsqueeze(1)
 
 
-def get_block_document_mask(doc_ids: torch.Tensor) -> Any:
-    """FlexAttention ``BlockMask`` of the same pattern as :func:`get_dense_document_mask` (any device; the
-    trainer uses it on CUDA).
+def get_block_document_mask(doc_ids: torch.Tensor, query_offset: int = 0, query_len: int | None = None) -> Any:
+    """FlexAttention ``BlockMask`` of the same pattern as :func:`get_dense_document_mask` (``query_len``
+    None: the rest of the row from ``query_offset``; any device, the trainer uses it on CUDA).
 
     ``create_block_mask`` runs compiled: eager, it evaluates ``mask_mod`` over the whole ``[T, T]`` grid with
     int64 intermediates, a 32 GiB allocation at T = 65,536 (the out-of-memory error of ``packed64cs`` on an H100,
     2026-12-07; benchmarks/README.md). Compiled, it reduces block by block. One graph serves every ``doc_ids``
-    of a row length.
+    of a row length (and query offset).
 
     Raises:
         ImportError: this torch has no FlexAttention.
     """
     batch, length = doc_ids.shape
+    queries = length - query_offset if query_len is None else query_len
 
     def mask_mod(b, h, q, k):
-        return (doc_ids[b, q] == doc_ids[b, k]) & (q >= k)
+        return (doc_ids[b, q + query_offset] == doc_ids[b, k]) & (q + query_offset >= k)
 
-    return _get_compiled_create_block_mask()(mask_mod, batch, None, length, length, device=doc_ids.device)
+    return _get_compiled_create_block_mask()(mask_mod, batch, None, queries, length, device=doc_ids.device)
 
 
 _COMPILED_CREATE_BLOCK_MASK: Any = None
@@ -61,19 +70,27 @@ def _get_compiled_create_block_mask() -> Any:
     return _COMPILED_CREATE_BLOCK_MASK
 
 
+def uses_flex_attention(attn_implementation: str) -> bool:
+    """Whether the transformers ``attn_implementation`` runs FlexAttention (and so takes a ``BlockMask``)."""
+    return attn_implementation in (FLEX_ATTENTION, CP_FLEX_ATTENTION)
+
+
 def get_model_inputs(mb: Any, device: torch.device, attn_implementation: str) -> dict[str, Any]:
     """Keyword arguments of the model's forward for micro-batch ``mb`` (:class:`rlrun_runtime.packing.MicroBatch`).
 
     Padded micro-batches pass their 2-D ``attention_mask``; packed ones pass ``position_ids`` (restarting per
-    document) and the document mask: a ``BlockMask`` when the model runs FlexAttention, else the dense mask.
+    document) and the document mask: a ``BlockMask`` when the model runs FlexAttention, else the dense mask. A
+    context-parallel shard (``mb.kv_doc_ids`` set) gets the mask of its queries over the whole row's keys.
     """
     input_ids = mb.input_ids.to(device, non_blocking=True)
     if mb.doc_ids is None:
         return {"input_ids": input_ids, "attention_mask": mb.attention_mask.to(device, non_blocking=True)}
-    doc_ids = mb.doc_ids.to(device, non_blocking=True)
-    if attn_implementation == FLEX_ATTENTION:
-        mask = get_block_document_mask(doc_ids)
+    row = mb.kv_doc_ids if mb.kv_doc_ids is not None else mb.doc_ids
+    doc_ids = row.to(device, non_blocking=True)
+    offset, queries = mb.query_offset, mb.input_ids.shape[1]
+    if uses_flex_attention(attn_implementation):
+        mask = get_block_document_mask(doc_ids, offset, queries)
     else:
-        mask = get_dense_document_mask(doc_ids)
+        mask = get_dense_document_mask(doc_ids, offset, queries)
     return {"input_ids": input_ids, "position_ids": mb.position_ids.to(device, non_blocking=True),
             "attention_mask": mask}

@@ -38,6 +38,10 @@ class MicroBatch:
         position_ids: int64, the position of each token inside its own document (packed only, else None).
         doc_ids: int64, the index of the document each position belongs to (0, 1, ... in row order; -1 on
             the padding tail); packed only, else None. Attention is allowed exactly within equal ``doc_ids``.
+        kv_doc_ids: int64 ``[B, T_row]``, the whole row's ``doc_ids`` when this micro-batch is a
+            context-parallel shard of it (its queries attend to the row's keys;
+            :func:`rlrun_runtime.context_parallel.shard_micro_batch`), else None.
+        query_offset: the position in the row of this shard's first token (0 unless sharded).
     """
 
     input_ids: torch.Tensor
@@ -49,6 +53,8 @@ class MicroBatch:
     on_policy_mask: torch.Tensor
     position_ids: torch.Tensor | None = None
     doc_ids: torch.Tensor | None = None
+    kv_doc_ids: torch.Tensor | None = None
+    query_offset: int = 0
 
     @property
     def num_loss_tokens(self) -> int:

@@ -37,12 +37,14 @@ from rlrun_api.views import TrainerView
 from rlrun_runtime.role import RoleConfigError, env_bind_host, env_port, env_required, load_spec, role_main
 
 from . import checkpoint as ckpt
+from .context_parallel import get_cp_coords, install_context_parallel, shard_micro_batch
 from .gathered_params import GatheredParams
 from .logprobs import LogprobHead, install_logprob_head
 from .moe import get_load_kwargs, prepare_moe_model, to_checkpoint_state_dict
 from .loss import LossMetrics, policy_loss_on_device, token_logprobs
 from .packed_attention import FLEX_ATTENTION, get_model_inputs
-from .packing import MicroBatch, count_loss_tokens, count_on_policy_tokens, get_micro_batches, get_packed_micro_batches
+from .packing import (MicroBatch, count_loss_tokens, count_on_policy_tokens, get_micro_batches,
+                      get_packed_micro_batches, sample_input_tokens)
 from .storage import ADAPTER_DIR, RunStorage, append_jsonl
 from .weights import WeightTransport, get_transport
 
@@ -154,11 +156,24 @@ def get_micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, total_loss_toke
 def get_step_micro_batches(samples: list[dict[str, Any]], cfg: TrainerView, rank: int, world: int, pad_id: int,
                            on_policy_version: int | None, device: torch.device) -> list[MicroBatch]:
     """This rank's micro-batches of a step: packed rows of ``cfg.micro_batch_tokens`` tokens (padded to a
-    multiple of :data:`GPU_ROW_MULTIPLE` on GPU), or the deprecated ``microBatchSize`` padded samples."""
+    multiple of :data:`GPU_ROW_MULTIPLE` on GPU), or the deprecated ``microBatchSize`` padded samples.
+
+    With ``cfg.cp`` > 1 the rows are those of the rank's context-parallel group (its data-parallel rank),
+    padded to a multiple of ``cp`` as well, and each is cut to the rank's shard
+    (:mod:`rlrun_runtime.context_parallel`).
+
+    Raises:
+        ValueError: ``cfg.cp`` > 1 without ``micro_batch_tokens``, or not dividing ``world``.
+    """
+    dp_rank, dp_world, cp_rank = get_cp_coords(rank, world, cfg.cp)
     if cfg.micro_batch_tokens:
-        multiple = GPU_ROW_MULTIPLE if device.type == "cuda" else 1
-        return get_packed_micro_batches(samples, cfg.micro_batch_tokens, rank, world, pad_id, on_policy_version,
-                                        pad_multiple=multiple)
+        multiple = (GPU_ROW_MULTIPLE if device.type == "cuda" else 1) * cfg.cp
+        rows = get_packed_micro_batches(samples, cfg.micro_batch_tokens, dp_rank, dp_world, pad_id,
+                                        on_policy_version, pad_multiple=multiple)
+        return rows if cfg.cp == 1 else [shard_micro_batch(row, cp_rank, cfg.cp) for row in rows]
+    if cfg.cp > 1:
+        raise ValueError("context parallelism (trainer.parallelism.cp > 1) shards packed rows; set "
+                         "algorithm.microBatchTokens")
     return get_micro_batches(samples, cfg.micro_batch_size, rank, world, pad_id, on_policy_version=on_policy_version)
 
 
@@ -566,6 +581,12 @@ class Trainer:
         self.revision = self.cfg.model_revision
         self.model = build_model(model_path, self.cfg, device, self.revision, compile_layers, checkpoint_layers,
                                  wrap_fsdp)
+        if self.cfg.cp > 1:  # the ranks of a context-parallel group gather each other's keys and values
+            from torch.distributed.device_mesh import init_device_mesh
+
+            get_cp_coords(rank, world, self.cfg.cp)  # ValueError when cp does not divide the world
+            mesh = init_device_mesh(device.type, (world // self.cfg.cp, self.cfg.cp), mesh_dim_names=("dp", "cp"))
+            install_context_parallel(self.model, mesh["cp"].get_group())
         config = self.model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.tied = bool(getattr(text_config, "tie_word_embeddings", False))
@@ -633,8 +654,7 @@ class Trainer:
         micro_batches = get_step_micro_batches(samples, self.cfg, self.rank, self.world, self.pad_id, step - 1,
                                                self.device)
         # Loss and metrics stay on the device until the one read-back at the end of the step.
-        sums = torch.zeros(8, dtype=torch.float64, device=self.device)  # loss, 6 metrics, real tokens
-        num_tokens = 0
+        sums = torch.zeros(7, dtype=torch.float64, device=self.device)  # loss, 6 metrics
         for i, mb in enumerate(micro_batches):
             if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2 (every rank count but wrap_fsdp=False)
                 self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
@@ -646,8 +666,6 @@ class Trainer:
             (loss * self.world).backward()
             sums[0] += loss.detach().double()
             sums[1:7] += mb_metrics
-            num_tokens += mb.num_tokens if mb.num_loss_tokens else 0  # host tensors: no device sync
-        sums[7] = float(num_tokens)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -662,7 +680,8 @@ class Trainer:
         self.scheduler.step()
         dist.all_reduce(sums)
         summed = torch.cat([sums, grad_norm.detach().double().view(1)]).cpu()  # the step's one read-back
-        return (float(summed[0]), LossMetrics.from_tensor(summed[1:7]), float(summed[8]), int(summed[7]),
+        num_tokens = sum(sample_input_tokens(s) for s in samples)  # every rank holds the whole batch
+        return (float(summed[0]), LossMetrics.from_tensor(summed[1:7]), float(summed[7]), num_tokens,
                 count_loss_tokens(samples), lr)
 
     def run(self, metrics_port: int | None) -> int:
@@ -677,7 +696,8 @@ class Trainer:
             self.gauges = start_metrics_server(metrics_port)
         start = self.resume()
         if self.rank == 0:
-            print(f"trainer: world {self.world} on {self.device}, steps {start}..{self.cfg.max_steps}", flush=True)
+            cp = f", context-parallel degree {self.cfg.cp}" if self.cfg.cp > 1 else ""
+            print(f"trainer: world {self.world} on {self.device}{cp}, steps {start}..{self.cfg.max_steps}", flush=True)
             lora = f"LoRA rank {self.cfg.lora_rank}" if self.cfg.lora_rank else "full fine-tuning"
             print(f"trainer: {lora}, {sum(p.numel() for p in self.params)} trainable parameters, compile "
                   f"{self.cfg.compile}, activation checkpointing {self.cfg.activation_checkpointing}, quantization "

@@ -29,18 +29,22 @@ from trainer_batches import write_batch
 STEPS = 2
 
 
-def write_run(tmp: Path, model_dir: Path, nodes: int) -> Path:
+def write_run(tmp: Path, model_dir: Path, nodes: int, cp: int = 1) -> Path:
+    """An RLRun of ``nodes`` CPU trainer nodes; ``cp`` > 1: context parallelism over packed rows of 32 tokens
+    (several rows per step), else the padded micro-batches of 2 samples."""
+    layout = {"microBatchTokens": 32} if cp > 1 else {"microBatchSize": 2}
     run = {
-        "apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": f"multinode-{nodes}"},
+        "apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": f"multinode-{nodes}" + (f"-cp{cp}" if cp > 1 else "")},
         "spec": {
             "model": {"name": str(model_dir), "dtype": "float32"},
             "environment": {"type": "builtin", "name": "reverse-words"},
-            "algorithm": {"rolloutsPerPrompt": 4, "batchSize": 8, "microBatchSize": 2, "maxSteps": STEPS,
+            "algorithm": {"rolloutsPerPrompt": 4, "batchSize": 8, **layout, "maxSteps": STEPS,
                           "learningRate": 1e-3},
-            "trainer": {"nodes": nodes, "gpusPerNode": 0, "checkpoint": {"intervalSteps": STEPS}},
+            "trainer": {"nodes": nodes, "gpusPerNode": 0, "checkpoint": {"intervalSteps": STEPS},
+                        "parallelism": {"cp": cp}},
         },
     }
-    path = tmp / f"run-{nodes}.yaml"
+    path = tmp / f"run-{nodes}-cp{cp}.yaml"
     path.write_text(yaml.safe_dump(run))
     return path
 
@@ -111,3 +115,29 @@ def test_two_torchrun_agents_from_the_rendered_statefulset_train_like_one_node(t
     losses = [[json.loads(line)["loss"] for line in s.metrics_file.read_text().splitlines()]
               for s in (two_storage, one_storage)]
     assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+
+
+@pytest.mark.timeout(600)
+def test_context_parallel_ranks_split_each_packed_row_and_train_like_one_rank(tmp_path: Path) -> None:
+    """``parallelism.cp: 2`` on two nodes: both ranks run the same packed rows, each half of every row's
+    positions, attending to the whole row through gathered keys and values. The update must equal one rank
+    running whole rows (same packing: one data-parallel rank in both)."""
+    model_dir = save_model_dir(tmp_path / "model")
+    two = run_trainer_pods(write_run(tmp_path, model_dir, nodes=2, cp=2), tmp_path / "cp")
+    assert "world 2" in two[0][2] and "context-parallel degree 2" in two[0][2]
+    one_path = write_run(tmp_path, model_dir, nodes=1, cp=2)
+    one_path.write_text(one_path.read_text().replace("cp: 2", "cp: 1"))
+    one = run_trainer_pods(one_path, tmp_path / "one")
+    assert "world 1" in one[0][2] and "context-parallel" not in one[0][2]
+    cp_storage, one_storage = RunStorage(tmp_path / "cp"), RunStorage(tmp_path / "one")
+    cp_weights = load_file(cp_storage.weights(STEPS) / "model.safetensors")
+    one_weights = load_file(one_storage.weights(STEPS) / "model.safetensors")
+    initial = load_file(model_dir / "model.safetensors")
+    for key in one_weights:
+        torch.testing.assert_close(cp_weights[key], one_weights[key], atol=2e-5, rtol=1e-4, msg=key)
+    assert max((cp_weights[k] - initial[k]).abs().max().item() for k in initial if k in cp_weights) > 1e-4
+    records = [[json.loads(line) for line in s.metrics_file.read_text().splitlines()]
+               for s in (cp_storage, one_storage)]
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in records[0]] == pytest.approx([r[key] for r in records[1]], abs=1e-6), key
+    assert [r["num_tokens"] for r in records[0]] == [r["num_tokens"] for r in records[1]]

@@ -39,9 +39,11 @@ def test_unimplemented_spec_fields_are_refused():
     assert get_unsupported_fields(spec(), world_size=2) == []
     assert get_unsupported_fields(spec(parallelism={"fsdp": 2}), world_size=2) == []
     assert get_unsupported_fields(spec(lora={"rank": 8}), world_size=1) == []  # LoRA is implemented
-    found = get_unsupported_fields(spec(lora={"rank": 8}, quantization="fp8", parallelism={"cp": 2, "fsdp": 4}), 2)
+    found = get_unsupported_fields(spec(lora={"rank": 8}, quantization="fp8", parallelism={"cp": 4, "fsdp": 4}), 2)
     assert [f.split(":")[0] for f in found] == ["spec.trainer.quantization",  # fp8 with LoRA
                                                 "spec.trainer.parallelism.cp", "spec.trainer.parallelism.fsdp"]
+    assert get_unsupported_fields(spec(parallelism={"cp": 2}), world_size=2) == []  # context parallelism runs
+    assert get_unsupported_fields(spec(parallelism={"cp": 2, "fsdp": 2}), world_size=4) == []  # fsdp = world / cp
 
 
 def test_micro_batch_tokens_is_read_and_micro_batch_size_is_deprecated():

@@ -181,7 +181,7 @@ def test_valid_variations_have_no_errors(tiny_example) -> None:
                                     "lastTransitionTime": "2026-01-02T03:04:05+00:00"}]}},
     ]
     not_implemented = {  # valid specs that ask for features this release refuses (check_implemented)
-        2: ["spec.trainer.parallelism.ep", "spec.trainer.parallelism.cp", "spec.trainer.parallelism.fsdp"],
+        2: ["spec.trainer.parallelism.ep"],  # cp 2 over 16 ranks runs, fsdp 8 = 16 / cp shards over them all
     }
     for i, changes in enumerate(variations):
         errors = validate(mutate(tiny_example, changes))
@@ -202,7 +202,7 @@ def test_micro_batch_size_is_checked_against_the_batch_only_while_micro_batch_to
                                           "spec.algorithm.microBatchTokens": 1024})) == []
 
 
-def test_expert_and_context_parallelism_name_the_ranks_they_need(tiny_example) -> None:
+def test_expert_and_context_parallelism_name_the_ranks_they_need_and_cp_runs_on_enough(tiny_example) -> None:
     from rlrun_api.spec import apply_defaults
     from rlrun_api.validation import check_trainer_implemented
     from rlrun_api.views import TrainerView
@@ -213,7 +213,21 @@ def test_expert_and_context_parallelism_name_the_ranks_they_need(tiny_example) -
     assert error.message.startswith("4 needs at least 4 trainer ranks and this trainer has 1; ") and "set 1" in \
         error.message
     (error,) = check_trainer_implemented(view, world_size=8)  # enough ranks: still not implemented, said plainly
-    assert error.message.startswith("4: expert and context parallelism are not implemented yet")
+    assert error.message.startswith("4: expert parallelism is not implemented yet")
+
+    view = TrainerView.from_spec(apply_defaults(mutate(tiny_example, {"spec.trainer.parallelism.cp": 2}))["spec"])
+    (error,) = check_trainer_implemented(view, world_size=1)
+    assert error.path == "spec.trainer.parallelism.cp"
+    assert error.message.startswith("2 needs at least 2 trainer ranks and this trainer has 1 ") and "set 1" in \
+        error.message
+    assert check_trainer_implemented(view, world_size=2) == []  # context parallelism runs on enough ranks
+    assert check_trainer_implemented(view, world_size=4) == []
+    (error,) = check_trainer_implemented(view, world_size=3)
+    assert "does not divide the 3 trainer ranks" in error.message
+    padded = TrainerView.from_spec(apply_defaults(mutate(tiny_example, {"spec.trainer.parallelism.cp": 2,
+                                                                        "spec.algorithm.microBatchSize": 4}))["spec"])
+    (error,) = check_trainer_implemented(padded, world_size=2)
+    assert error.path == "spec.trainer.parallelism.cp" and "set algorithm.microBatchTokens" in error.message
 
 
 def test_unimplemented_features_are_reported_only_when_nothing_else_is_wrong(tiny_example) -> None:

@@ -1,0 +1,95 @@
+"""Context parallelism (``trainer.parallelism.cp``): the ``cp`` ranks of a group split every packed row into
+``cp`` contiguous shards of positions, and each attention layer gathers the whole row's keys and values.
+
+Each rank embeds, projects, applies rotary positions and computes the loss for its own shard only; attention
+queries of the shard see every key of the row (an all-gather of keys and values over the group, whose
+backward reduce-scatters their gradients back to the owner), under the same document-causal mask as the
+unsharded row. The loss is normalised by the step's total loss tokens on every rank, and FSDP2 sums
+gradients over all ranks (the trainer multiplies the loss by the world size), so a group's ranks together
+give exactly the unsharded row's gradient. This is the all-gather form of context parallelism (Llama 3's
+paper, section 3.3.2, uses it for documents with masks); it keeps any attention kernel and any mask.
+
+Rank layout: groups are ``cp`` consecutive ranks (rank = dp_rank x cp + cp_rank), so a group shares a node
+whenever ``cp`` divides the ranks per node. Work is not balanced along the causal mask: the shard holding
+the end of a row does the most attention work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from .packed_attention import CP_FLEX_ATTENTION, CP_SDPA, FLEX_ATTENTION
+from .packing import MicroBatch
+
+_WRAPPED = {"sdpa": CP_SDPA, FLEX_ATTENTION: CP_FLEX_ATTENTION}
+
+
+def get_cp_coords(rank: int, world: int, cp: int) -> tuple[int, int, int]:
+    """``(dp_rank, dp_world, cp_rank)`` of ``rank``: data-parallel rank and world (each data-parallel rank is a
+    group of ``cp`` consecutive ranks, which run the same micro-batches) and the rank inside its group.
+
+    Raises:
+        ValueError: ``cp < 1``, ``cp`` not dividing ``world``, or ``rank`` outside ``[0, world)``.
+    """
+    if cp < 1 or world % cp:
+        raise ValueError(f"context-parallel degree {cp} must be >= 1 and divide the world size {world}")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} outside world size {world}")
+    return rank // cp, world // cp, rank % cp
+
+
+def shard_micro_batch(mb: MicroBatch, cp_rank: int, cp: int) -> MicroBatch:
+    """Shard ``cp_rank`` of ``cp`` of a packed micro-batch: positions ``[s, s + T/cp)`` of its ``[1, T]`` row,
+    s = cp_rank x T/cp, every per-position tensor cut the same way; ``kv_doc_ids`` keeps the whole row's
+    ``doc_ids`` (the keys the shard's queries attend to) and ``query_offset`` is s.
+
+    Raises:
+        ValueError: a padded (not packed) micro-batch, or T not a multiple of ``cp``.
+    """
+    if mb.doc_ids is None or mb.position_ids is None:
+        raise ValueError("context parallelism shards packed rows only (set algorithm.microBatchTokens)")
+    width = mb.input_ids.shape[1]
+    if width % cp:
+        raise ValueError(f"row of {width} tokens does not split into {cp} equal context-parallel shards")
+    size = width // cp
+    start = cp_rank * size
+    cut = {f.name: getattr(mb, f.name)[:, start:start + size] for f in dataclasses.fields(mb)
+           if isinstance(getattr(mb, f.name), torch.Tensor) and f.name != "kv_doc_ids"}
+    return dataclasses.replace(mb, **cut, kv_doc_ids=mb.doc_ids, query_offset=start)
+
+
+def install_context_parallel(model: Any, group: Any) -> str:
+    """Make every attention layer of the transformers ``model`` gather keys and values over the process
+    ``group`` (along the sequence, dimension 2 of ``[B, H, T, D]``) before its kernel, SDPA or FlexAttention;
+    returns the new attention-implementation name (:data:`CP_SDPA` or :data:`CP_FLEX_ATTENTION`).
+
+    The registration is process-wide (transformers keeps one table): one trainer, one group per process.
+    The gather is ``all_gather_tensor_autograd`` (torch's functional collectives: traceable by
+    ``torch.compile``, its backward a reduce-scatter; gloo and nccl).
+
+    Raises:
+        ValueError: the model runs another attention implementation.
+    """
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    base = model.config._attn_implementation
+    if base not in _WRAPPED:
+        raise ValueError(f"context parallelism wraps {sorted(_WRAPPED)} attention, not {base!r}")
+    kernel = ALL_ATTENTION_FUNCTIONS[base]
+
+    def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Any, **kwargs: Any) -> Any:
+        key = all_gather_tensor_autograd(key.contiguous(), gather_dim=2, group=group)
+        value = all_gather_tensor_autograd(value.contiguous(), gather_dim=2, group=group)
+        return kernel(module, query, key, value, attention_mask, **kwargs)
+
+    name = _WRAPPED[base]
+    AttentionInterface.register(name, attention)
+    model.config._attn_implementation = name
+    return name
+
