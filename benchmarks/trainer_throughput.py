@@ -325,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     if dist.get_world_size() != args.cp:
         parser.error(f"--cp {args.cp} needs a world of {args.cp} processes (torchrun --nproc-per-node {args.cp}), "
                      f"not {dist.get_world_size()}")
+    if args.cp > 1 and not (args.model_dir and (Path(args.model_dir) / "config.json").is_file()):
+        parser.error("--cp needs a --model-dir built beforehand by one process (every rank would build its own)")
     if dist.get_rank() != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - rank 0 prints the figures
     results: dict[str, Any] = {"shape": args.shape, "device": str(device), "torch": torch.__version__,

@@ -492,8 +492,9 @@ def check_trainer_implemented(trainer: TrainerView, world_size: int | None = Non
     cp = trainer.cp
     if cp != 1 and world < cp:
         out.append(FieldError("spec.trainer.parallelism.cp", f"{cp} needs at least {cp} trainer ranks and this "
-                                                             f"trainer has {world} (nodes x gpusPerNode); add "
-                                                             "ranks or set 1"))
+                                                             f"trainer has {world}; raise trainer.nodes (and "
+                                                             f"gpusPerNode on GPU) to {cp} ranks or more, or set "
+                                                             "1"))
     elif cp != 1 and world % cp:
         out.append(FieldError("spec.trainer.parallelism.cp", f"{cp} does not divide the {world} trainer ranks; pick "
                                                              f"a divisor of {world}"))
@@ -507,7 +508,8 @@ def check_trainer_implemented(trainer: TrainerView, world_size: int | None = Non
     if trainer.fsdp not in (-1, full):
         out.append(FieldError("spec.trainer.parallelism.fsdp", f"{trainer.fsdp} does not match the {full} "
                                                                "data-parallel trainer rank(s) (hybrid sharding is "
-                                                               "not implemented yet); set -1"))
+                                                               f"not implemented yet); set -1 or {full} (ranks / "
+                                                               "cp)"))
     return out
 
 

@@ -7,7 +7,8 @@ backward reduce-scatters their gradients back to the owner), under the same docu
 unsharded row. The loss is normalised by the step's total loss tokens on every rank, and FSDP2 sums
 gradients over all ranks (the trainer multiplies the loss by the world size), so a group's ranks together
 give exactly the unsharded row's gradient. This is the all-gather form of context parallelism (Llama 3's
-paper, section 3.3.2, uses it for documents with masks); it keeps any attention kernel and any mask.
+paper, section 3.3.2, uses it for documents with masks); it keeps any attention kernel and any mask, and holds
+every layer's gathered keys and values for the backward (unless activation checkpointing recomputes the layer).
 
 Rank layout: groups are ``cp`` consecutive ranks (rank = dp_rank x cp + cp_rank), so a group shares a node
 whenever ``cp`` divides the ranks per node. Work is not balanced along the causal mask: the shard holding
@@ -66,30 +67,43 @@ def install_context_parallel(model: Any, group: Any) -> str:
     ``group`` (along the sequence, dimension 2 of ``[B, H, T, D]``) before its kernel, SDPA or FlexAttention;
     returns the new attention-implementation name (:data:`CP_SDPA` or :data:`CP_FLEX_ATTENTION`).
 
-    The registration is process-wide (transformers keeps one table): one trainer, one group per process.
-    The gather is ``all_gather_tensor_autograd`` (torch's functional collectives: traceable by
-    ``torch.compile``, its backward a reduce-scatter; gloo and nccl).
+    The registered function holds no group: each attention layer of ``model`` carries its own (attribute
+    ``rlrun_cp_group``), so models with different groups coexist in one process. The gather is torch's
+    functional ``all_gather_single_autograd`` (``all_gather_tensor_autograd`` before torch 2.13): traceable by
+    ``torch.compile``, its backward a reduce-scatter, on gloo and nccl.
 
     Raises:
-        ValueError: the model runs another attention implementation.
+        ValueError: the model runs another attention implementation, or has no attention layers.
     """
-    from torch.distributed._functional_collectives import all_gather_tensor_autograd
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     base = model.config._attn_implementation
     if base not in _WRAPPED:
         raise ValueError(f"context parallelism wraps {sorted(_WRAPPED)} attention, not {base!r}")
-    kernel = ALL_ATTENTION_FUNCTIONS[base]
-
-    def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: Any, **kwargs: Any) -> Any:
-        key = all_gather_tensor_autograd(key.contiguous(), gather_dim=2, group=group)
-        value = all_gather_tensor_autograd(value.contiguous(), gather_dim=2, group=group)
-        return kernel(module, query, key, value, attention_mask, **kwargs)
-
+    layers = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]  # transformers' attention layers
+    if not layers:
+        raise ValueError(f"context parallelism found no attention layer in {type(model).__name__}")
+    for layer in layers:
+        layer.rlrun_cp_group = group
     name = _WRAPPED[base]
-    AttentionInterface.register(name, attention)
+    AttentionInterface.register(name, _get_gathering_attention(ALL_ATTENTION_FUNCTIONS[base]))
     model.config._attn_implementation = name
     return name
 
+
+def _get_gathering_attention(kernel: Any) -> Any:
+    """transformers attention function: ``kernel`` over the row's keys and values, gathered over the calling
+    layer's ``rlrun_cp_group``."""
+    from torch.distributed import _functional_collectives as collectives
+
+    gather = getattr(collectives, "all_gather_single_autograd", None) or collectives.all_gather_tensor_autograd
+
+    def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Any, **kwargs: Any) -> Any:
+        group = module.rlrun_cp_group
+        key = gather(key.contiguous(), gather_dim=2, group=group)
+        value = gather(value.contiguous(), gather_dim=2, group=group)
+        return kernel(module, query, key, value, attention_mask, **kwargs)
+
+    return attention

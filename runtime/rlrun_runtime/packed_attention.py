@@ -42,8 +42,8 @@ def get_block_document_mask(doc_ids: torch.Tensor, query_offset: int = 0, query_
 
     ``create_block_mask`` runs compiled: eager, it evaluates ``mask_mod`` over the whole ``[T, T]`` grid with
     int64 intermediates, a 32 GiB allocation at T = 65,536 (the out-of-memory error of ``packed64cs`` on an H100,
-    2026-12-07; benchmarks/README.md). Compiled, it reduces block by block. One graph serves every ``doc_ids``
-    of a row length (and query offset).
+    2026-12-07; benchmarks/README.md). Compiled, it reduces block by block; one dynamic-shape graph serves every
+    ``doc_ids``, row length and query shard.
 
     Raises:
         ImportError: this torch has no FlexAttention.
@@ -66,7 +66,9 @@ def _get_compiled_create_block_mask() -> Any:
     if _COMPILED_CREATE_BLOCK_MASK is None:
         from torch.nn.attention.flex_attention import create_block_mask
 
-        _COMPILED_CREATE_BLOCK_MASK = torch.compile(create_block_mask)
+        # dynamic: one graph for every row length and query shard (with static shapes each new length compiles
+        # again, 7-10 s on an H100, and a changed query length with the same key length fails to compile on CPU)
+        _COMPILED_CREATE_BLOCK_MASK = torch.compile(create_block_mask, dynamic=True)
     return _COMPILED_CREATE_BLOCK_MASK
 
 

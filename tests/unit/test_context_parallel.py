@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from rlrun_runtime.context_parallel import get_cp_coords, shard_micro_batch
-from rlrun_runtime.packed_attention import get_block_document_mask, get_dense_document_mask, get_model_inputs
-from rlrun_runtime.packing import get_micro_batch, get_packed_micro_batch
+from rlrun_runtime.packed_attention import get_dense_document_mask, get_model_inputs
+from rlrun_runtime.packing import get_micro_batch, get_packed_micro_batch, get_packed_micro_batches
 
 
 def _sample(prompt, completion):
@@ -42,25 +42,92 @@ def test_shards_cut_every_position_tensor_and_keep_the_row_for_the_keys(cp):
     assert [s.query_offset for s in shards] == [r * width // cp for r in range(cp)]
     assert all(s.kv_doc_ids is row.doc_ids for s in shards)
     assert sum(s.num_loss_tokens for s in shards) == row.num_loss_tokens == 12
+    assert width == 28
     with pytest.raises(ValueError, match="does not split into 3"):
-        shard_micro_batch(row, 0, 3) if width % 3 else shard_micro_batch(_row(pad_multiple=5), 0, 3)
+        shard_micro_batch(row, 0, 3)
     with pytest.raises(ValueError, match="packed rows only"):
         shard_micro_batch(get_micro_batch([_sample([1], [2])]), 0, 2)
 
 
-def test_a_shards_masks_are_its_rows_of_the_whole_rows_mask():
-    """Queries of a shard against every key of the row: the dense mask is exactly the shard's rows of the
-    unsharded mask, and the FlexAttention block mask lists exactly its blocks (any / all true)."""
-    row = _row(pad_multiple=256)  # 26 real tokens, then padding: 2 shards of 128 = one block each
-    full = get_dense_document_mask(row.doc_ids)[0, 0]
+def _random_row(rng, width):
+    """A packed row of documents of random lengths (4-300 tokens) filling ``width`` up to a padding tail."""
+    samples, used = [], 0
+    while True:
+        size = rng.randint(4, 300)
+        if used + size > width - 8:
+            break
+        samples.append(_sample([rng.randint(2, 50) for _ in range(size - 2)], [rng.randint(2, 50) for _ in range(2)]))
+        used += size - 1
+    return get_packed_micro_batch(samples, pad_multiple=width)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_shards_masks_are_its_rows_of_the_whole_rows_mask(cp):
+    """Queries of a shard against every key of the row, real documents in every shard and several query blocks
+    each: the dense mask is exactly the shard's rows of the unsharded mask; the FlexAttention block mask lists
+    exactly its blocks (any true) and marks exactly its full ones (all true); FlexAttention through it equals
+    SDPA through the dense mask. Dropping the query offset anywhere fails all three."""
+    import random
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    rng = random.Random(cp)
     cpu = torch.device("cpu")
-    for rank in range(2):
-        shard = shard_micro_batch(row, rank, 2)
-        dense = get_model_inputs(shard, cpu, "sdpa")["attention_mask"][0, 0]
-        assert torch.equal(dense, full[rank * 128:(rank + 1) * 128])
-        block = get_model_inputs(shard, cpu, "rlrun_cp_flex_attention")["attention_mask"]
-        tiles = dense.view(1, 128, 2, 128).permute(0, 2, 1, 3).flatten(2)
-        assert torch.equal(block.to_dense()[0, 0].bool(), tiles.any(-1)), rank
-        assert block.shape[-2:] == (128, 256)
-    # the padding shard's queries see only the padding: its own document, causal
-    assert int(row.attention_mask.sum()) == 26 and not full[128:, :26].any() and full[200, 26:201].all()
+    for _ in range(2):
+        row = _random_row(rng, 1024)
+        full = get_dense_document_mask(row.doc_ids)[0, 0]
+        q, k, v = (torch.randn(1, 2, 1024, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+        size = 1024 // cp
+        for rank in range(cp):
+            shard = shard_micro_batch(row, rank, cp)
+            assert shard.num_tokens > 0  # real documents in every shard
+            lo = rank * size
+            dense = get_model_inputs(shard, cpu, "sdpa")["attention_mask"]
+            assert torch.equal(dense[0, 0], full[lo:lo + size])
+            block = get_model_inputs(shard, cpu, "rlrun_cp_flex_attention")["attention_mask"]
+            assert block.shape[-2:] == (size, 1024)
+            tiles = dense[0, 0].view(size // 128, 128, 8, 128).permute(0, 2, 1, 3).flatten(2)
+            kv_num, kv_idx, full_num, full_idx = (t[0, 0] for t in block.as_tuple()[2:6])
+            listed, whole = torch.zeros(size // 128, 8, dtype=torch.bool), torch.zeros(size // 128, 8, dtype=torch.bool)
+            for i in range(size // 128):
+                listed[i, kv_idx[i, :kv_num[i]]] = True
+                whole[i, full_idx[i, :full_num[i]]] = True
+            assert torch.equal(whole, tiles.all(-1)), rank
+            assert torch.equal(listed | whole, tiles.any(-1)), rank
+            got = flex_attention(q[:, :, lo:lo + size], k, v, block_mask=block)
+            want = torch.nn.functional.scaled_dot_product_attention(q[:, :, lo:lo + size], k, v, attn_mask=dense)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world,cp", [(2, 2), (4, 2), (6, 3), (8, 4)])
+def test_data_parallel_times_context_parallel_shares(world, cp):
+    """Every rank runs as many micro-batches; the shards of a group join back into the group's rows, and the
+    groups' loss tokens add up to the batch's (each token's loss computed exactly once)."""
+    import random
+
+    from rlrun_runtime.packing import count_loss_tokens
+    from rlrun_runtime.trainer import get_step_micro_batches
+    from rlrun_api.views import TrainerView
+
+    rng = random.Random(world * 10 + cp)
+    samples = [_sample([rng.randint(2, 50) for _ in range(rng.randint(1, 40))],
+                       [rng.randint(2, 50) for _ in range(rng.randint(1, 30))]) for _ in range(37)]
+    cfg = TrainerView(model_name="m", model_revision=None, max_steps=1, micro_batch_size=None, learning_rate=1e-3,
+                      weight_decay=0.0, max_grad_norm=1.0, lr_schedule="constant", lr_warmup_steps=0,
+                      temperature=1.0, ratio_low=0.1, ratio_high=10.0, kl_coef=0.0, checkpoint_interval=1,
+                      checkpoint_keep=1, dtype="float32", use_gpu=False, nodes=world, gpus_per_node=0, fsdp=-1, ep=1,
+                      cp=cp, lora_rank=0, quantization="none", micro_batch_tokens=96)
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        shares = [get_step_micro_batches(samples, cfg, r, world, 0, 0, device) for r in range(world)]
+        assert len({len(share) for share in shares}) == 1
+        loss_tokens = 0
+        for group in range(world // cp):
+            ranks = shares[group * cp:(group + 1) * cp]
+            for shards in zip(*ranks):
+                assert [s.query_offset for s in shards] == [i * shards[0].input_ids.shape[1] for i in range(cp)]
+                row = torch.cat([s.input_ids for s in shards], dim=1)
+                assert row.shape[1] % (1024 if device.type == "cuda" else cp) == 0
+                assert torch.equal(shards[0].kv_doc_ids, torch.cat([s.doc_ids for s in shards], dim=1))
+                loss_tokens += sum(s.num_loss_tokens for s in shards)
+        assert loss_tokens == count_loss_tokens(samples)

@@ -172,10 +172,14 @@ def test_dense_document_mask_is_block_diagonal_causal():
 
 @pytest.mark.timeout(300)
 def test_block_document_mask_matches_the_dense_mask_for_every_layout():
-    """The compiled ``create_block_mask`` (one graph for all layouts of a length) gives, for two different
-    layouts in turn, exactly the dense mask's blocks: a block is listed iff any position in it may attend and is
-    full iff all may; FlexAttention through it equals SDPA through the dense mask."""
+    """The compiled ``create_block_mask`` gives, for two different layouts in turn, exactly the dense mask's
+    blocks: a block is listed iff any position in it may attend and is full iff all may; FlexAttention through it
+    equals SDPA through the dense mask. A dynamic graph or two serve every layout, row length and query shard
+    (Dynamo's recompile limit would otherwise send it back to the eager, [T, T] version)."""
+    from torch import _dynamo
     from torch.nn.attention.flex_attention import flex_attention
+
+    graphs = _dynamo.utils.counters["stats"]["unique_graphs"]
 
     length, block = 512, 128
     for sizes in ([100, 300, 50], [128, 128, 200, 10, 1]):
@@ -197,6 +201,9 @@ def test_block_document_mask_matches_the_dense_mask_for_every_layout():
         q, k, v = (torch.randn(1, 2, length, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
         torch.testing.assert_close(flex_attention(q, k, v, block_mask=mask), want, rtol=1e-5, atol=1e-5)
+    for width, offset in ((1024, 0), (2048, 0), (2048, 1024), (4096, 2048)):  # rows and context-parallel shards
+        get_block_document_mask((torch.arange(width) // 300)[None], offset, width - offset)
+    assert _dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 2  # 6 shapes; static shapes: 6 graphs
 
 
 def _reference_logprobs(model, sample, temperature):
