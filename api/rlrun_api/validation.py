@@ -484,11 +484,20 @@ def check_trainer_implemented(trainer: TrainerView, world_size: int | None = Non
         out.append(FieldError("spec.trainer.quantization", "mxfp8 needs NVIDIA Blackwell GPUs (SM100, compute "
                                                            "capability 10.0) and is not implemented yet; set fp8 "
                                                            "(Ada/Hopper) or none"))
-    if trainer.ep != 1:
-        ranks = (f"{trainer.ep} needs at least {trainer.ep} trainer ranks and this trainer has {world}; "
-                 if world < trainer.ep else f"{trainer.ep}: ")
-        out.append(FieldError("spec.trainer.parallelism.ep", f"{ranks}expert parallelism is not implemented yet; "
-                                                             "set 1"))
+    ep = trainer.ep
+    if ep != 1 and world < ep:
+        out.append(FieldError("spec.trainer.parallelism.ep", f"{ep} needs at least {ep} trainer ranks and this "
+                                                             f"trainer has {world}; raise trainer.nodes (and "
+                                                             f"gpusPerNode on GPU) to {ep} ranks, or set 1"))
+    elif ep != 1 and ep != world:
+        out.append(FieldError("spec.trainer.parallelism.ep", f"{ep} over {world} trainer ranks: expert parallelism "
+                                                             "runs over every rank (data-parallel copies of an "
+                                                             f"expert shard are not implemented yet); set {world} "
+                                                             "or 1"))
+    elif ep != 1 and trainer.cp != 1:
+        out.append(FieldError("spec.trainer.parallelism.ep", f"{ep} with cp {trainer.cp}: expert and context "
+                                                             "parallelism together are not implemented yet; set "
+                                                             "one of them to 1"))
     cp = trainer.cp
     if cp != 1 and world < cp:
         out.append(FieldError("spec.trainer.parallelism.cp", f"{cp} needs at least {cp} trainer ranks and this "

@@ -538,6 +538,22 @@ def shard_model(model: Any, cfg: TrainerView, device: torch.device, compile_laye
     if (not wrap_fsdp or wrap_fsdp == ROOT_ONLY) and world > 1:
         raise ValueError(f"wrap_fsdp={wrap_fsdp!r} needs a world of one, not {world} ranks")
     reshard = world > 1 if dist.is_initialized() else True
+    mesh, experts = None, set()
+    if cfg.ep > 1:  # each rank holds 1/ep of every experts module, kept out of FSDP2 (expert_parallel.py)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from .expert_parallel import install_expert_parallel
+
+        if cfg.ep != world:
+            raise RoleConfigError(f"spec.trainer.parallelism.ep: {cfg.ep} must equal the {world} trainer ranks "
+                                  "(data-parallel copies of an expert shard are not implemented yet); set "
+                                  f"{world} or 1")
+        mesh = init_device_mesh(device.type, (world,))  # FSDP2's mesh too: one mesh for every DTensor
+        try:
+            experts = install_expert_parallel(model, mesh, compute)
+        except ValueError as exc:
+            raise RoleConfigError(f"spec.trainer.parallelism.ep: {exc}; set 1") from None
+    shard_kwargs = {"mesh": mesh, "ignored_params": experts} if experts else {}
     # A unit per decoder layer at every world size: one unit (the root) at world size 1 was measured no faster
     # (H200, 0.6B shape, 5 processes each: median 84.4k against 86.8k tokens/s; benchmarks/README.md).
     per_layer = wrap_fsdp != ROOT_ONLY
@@ -547,9 +563,9 @@ def shard_model(model: Any, cfg: TrainerView, device: torch.device, compile_laye
         if i in checkpointed:
             layer.forward = _checkpointed(layer.forward)
         if wrap_fsdp and per_layer:
-            fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard)
+            fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard, **shard_kwargs)
     if wrap_fsdp:
-        fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(model, mp_policy=policy, reshard_after_forward=reshard, **shard_kwargs)
     model.train()
     return model
 
@@ -699,6 +715,7 @@ class Trainer:
         start = self.resume()
         if self.rank == 0:
             cp = f", context-parallel degree {self.cfg.cp}" if self.cfg.cp > 1 else ""
+            cp += f", expert-parallel degree {self.cfg.ep}" if self.cfg.ep > 1 else ""
             print(f"trainer: world {self.world} on {self.device}{cp}, steps {start}..{self.cfg.max_steps}", flush=True)
             lora = f"LoRA rank {self.cfg.lora_rank}" if self.cfg.lora_rank else "full fine-tuning"
             print(f"trainer: {lora}, {sum(p.numel() for p in self.params)} trainable parameters, compile "

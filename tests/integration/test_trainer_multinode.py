@@ -23,29 +23,30 @@ from safetensors.torch import load_file
 from rlrun_api import constants as c
 from rlrun_runtime.local import get_plan, load_run
 from rlrun_runtime.storage import RunStorage
-from tiny_qwen3 import save_model_dir
+from tiny_qwen3 import save_model_dir, save_moe_model_dir
 from trainer_batches import write_batch
 
 STEPS = 2
 
 
-def write_run(tmp: Path, model_dir: Path, nodes: int, cp: int = 1) -> Path:
-    """An RLRun of ``nodes`` CPU trainer nodes; ``cp`` > 1: context parallelism over packed rows of 32 tokens
-    (several rows per step), else the padded micro-batches of 2 samples."""
-    layout = {"microBatchTokens": 32} if cp > 1 else {"microBatchSize": 2}
+def write_run(tmp: Path, model_dir: Path, nodes: int, cp: int = 1, ep: int = 1, packed: bool = False) -> Path:
+    """An RLRun of ``nodes`` CPU trainer nodes with context- and expert-parallel degrees ``cp`` and ``ep``;
+    ``packed`` (or cp > 1): packed rows of 32 tokens (several rows per step), else the padded micro-batches of 2
+    samples."""
+    layout = {"microBatchTokens": 32} if packed or cp > 1 else {"microBatchSize": 2}
+    suffix = (f"-cp{cp}" if cp > 1 else "") + (f"-ep{ep}" if ep > 1 else "")
     run = {
-        "apiVersion": c.API_VERSION, "kind": c.KIND,
-        "metadata": {"name": f"multinode-{nodes}" + (f"-cp{cp}" if cp > 1 else "")},
+        "apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": f"multinode-{nodes}{suffix}"},
         "spec": {
             "model": {"name": str(model_dir), "dtype": "float32"},
             "environment": {"type": "builtin", "name": "reverse-words"},
             "algorithm": {"rolloutsPerPrompt": 4, "batchSize": 8, **layout, "maxSteps": STEPS,
                           "learningRate": 1e-3},
             "trainer": {"nodes": nodes, "gpusPerNode": 0, "checkpoint": {"intervalSteps": STEPS},
-                        "parallelism": {"cp": cp}},
+                        "parallelism": {"cp": cp, "ep": ep}},
         },
     }
-    path = tmp / f"run-{nodes}-cp{cp}.yaml"
+    path = tmp / f"run-{nodes}{suffix}-{len(list(tmp.glob('run-*.yaml')))}.yaml"
     path.write_text(yaml.safe_dump(run))
     return path
 
@@ -126,9 +127,7 @@ def test_context_parallel_ranks_split_each_packed_row_and_train_like_one_rank(tm
     model_dir = save_model_dir(tmp_path / "model")
     two = run_trainer_pods(write_run(tmp_path, model_dir, nodes=2, cp=2), tmp_path / "cp")
     assert "world 2" in two[0][2] and "context-parallel degree 2" in two[0][2]
-    one_path = write_run(tmp_path, model_dir, nodes=1, cp=2)
-    one_path.write_text(one_path.read_text().replace("cp: 2", "cp: 1"))
-    one = run_trainer_pods(one_path, tmp_path / "one")
+    one = run_trainer_pods(write_run(tmp_path, model_dir, nodes=1, packed=True), tmp_path / "one")
     assert "world 1" in one[0][2] and "context-parallel" not in one[0][2]
     cp_storage, one_storage = RunStorage(tmp_path / "cp"), RunStorage(tmp_path / "one")
     cp_weights = load_file(cp_storage.weights(STEPS) / "model.safetensors")
@@ -141,3 +140,31 @@ def test_context_parallel_ranks_split_each_packed_row_and_train_like_one_rank(tm
                for s in (cp_storage, one_storage)]
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in records[0]] == pytest.approx([r[key] for r in records[1]], abs=1e-6), key
+
+
+@pytest.mark.timeout(600)
+def test_expert_parallel_ranks_hold_half_the_experts_and_train_like_one_rank(tmp_path: Path) -> None:
+    """``parallelism.ep: 2`` on two nodes with a mixture-of-experts model (4 experts, 2 per token): each rank
+    holds 2 experts of every layer, and tokens go to the rank of their expert and back. The update (every
+    expert's, published as the full HF checkpoint) must equal two data-parallel ranks holding every expert."""
+    model_dir = save_moe_model_dir(tmp_path / "model")
+    ep = run_trainer_pods(write_run(tmp_path, model_dir, nodes=2, ep=2, packed=True), tmp_path / "ep")
+    assert "world 2" in ep[0][2] and "expert-parallel degree 2" in ep[0][2]
+    dp = run_trainer_pods(write_run(tmp_path, model_dir, nodes=2, packed=True), tmp_path / "dp")
+    ep_storage, dp_storage = RunStorage(tmp_path / "ep"), RunStorage(tmp_path / "dp")
+    ep_weights = load_file(ep_storage.weights(STEPS) / "model.safetensors")
+    dp_weights = load_file(dp_storage.weights(STEPS) / "model.safetensors")
+    initial = load_file(model_dir / "model.safetensors")
+    assert ep_weights.keys() == dp_weights.keys() == initial.keys()
+    assert sum(".experts." in key for key in ep_weights) == 2 * 4 * 3  # layers x experts x (gate, up, down)
+    for key in dp_weights:
+        torch.testing.assert_close(ep_weights[key], dp_weights[key], atol=2e-5, rtol=1e-4, msg=key)
+    moved = {k for k in initial if ".experts." in k and (ep_weights[k] - initial[k]).abs().max() > 1e-4}
+    assert len(moved) == 2 * 4 * 3  # every expert of both ranks learned
+    records = [[json.loads(line) for line in s.metrics_file.read_text().splitlines()]
+               for s in (ep_storage, dp_storage)]
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in records[0]] == pytest.approx([r[key] for r in records[1]], abs=1e-6), key
+    # the checkpoint holds each rank's expert shard (resume reads them back)
+    assert sorted(p.name for p in ep_storage.checkpoint(STEPS).iterdir() if p.suffix == ".distcp") == [
+        "__0_0.distcp", "__1_0.distcp"]

@@ -40,3 +40,24 @@ def save_model_dir(path: Path, seed: int = 0) -> Path:
     make_model(seed).save_pretrained(path, safe_serialization=True)
     make_tokenizer().save_pretrained(path)
     return path
+
+
+def save_moe_model_dir(path: Path, seed: int = 0, num_experts: int = 4, top_k: int = 2, layers: int = 2) -> Path:
+    """Write an HF directory of a seeded random Qwen3-MoE (hidden 64, ``num_experts`` experts of intermediate 32,
+    ``top_k`` per token, untied head) to ``path``, its routers drawn far from uniform so that the choice of
+    experts matters."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+                            max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0,
+                            eos_token_id=1, bos_token_id=1, dtype="float32")
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer().save_pretrained(path)
+    return path

@@ -14,27 +14,13 @@ from safetensors import safe_open
 
 from rlrun_api.spec import apply_defaults
 from rlrun_api.views import TrainerView
-from tiny_qwen3 import VOCAB, make_tokenizer
+from tiny_qwen3 import VOCAB, save_moe_model_dir
 
 NUM_EXPERTS, TOP_K, LAYERS = 4, 2, 2
 
 
 def _save_moe_dir(path, seed=0):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                            num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True,
-                            max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0,
-                            eos_token_id=1, bos_token_id=1, dtype="float32")
-    model = Qwen3MoeForCausalLM(config)
-    with torch.no_grad():  # a router far from uniform, so that the choice of experts matters
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, 0.5)
-    model.save_pretrained(path, safe_serialization=True)
-    make_tokenizer().save_pretrained(path)
-    return path
+    return save_moe_model_dir(path, seed, NUM_EXPERTS, TOP_K, LAYERS)
 
 
 def _view(model_dir, lr=1e-2):

@@ -202,7 +202,7 @@ def test_micro_batch_size_is_checked_against_the_batch_only_while_micro_batch_to
                                           "spec.algorithm.microBatchTokens": 1024})) == []
 
 
-def test_expert_and_context_parallelism_name_the_ranks_they_need_and_cp_runs_on_enough(tiny_example) -> None:
+def test_expert_and_context_parallelism_name_the_ranks_they_need_and_run_on_enough(tiny_example) -> None:
     from rlrun_api.spec import apply_defaults
     from rlrun_api.validation import check_trainer_implemented
     from rlrun_api.views import TrainerView
@@ -212,8 +212,13 @@ def test_expert_and_context_parallelism_name_the_ranks_they_need_and_cp_runs_on_
     assert error.path == "spec.trainer.parallelism.ep"
     assert error.message.startswith("4 needs at least 4 trainer ranks and this trainer has 1; ") and "set 1" in \
         error.message
-    (error,) = check_trainer_implemented(view, world_size=8)  # enough ranks: still not implemented, said plainly
-    assert error.message.startswith("4: expert parallelism is not implemented yet")
+    (error,) = check_trainer_implemented(view, world_size=8)  # over part of the ranks: not implemented, said plainly
+    assert error.message.startswith("4 over 8 trainer ranks: expert parallelism runs over every rank") and \
+        "set 8 or 1" in error.message
+    assert check_trainer_implemented(view, world_size=4) == []  # expert parallelism over every rank runs
+    both = TrainerView.from_spec(apply_defaults(mutate(tiny_example, {"spec.trainer.parallelism.ep": 4,
+                                                                      "spec.trainer.parallelism.cp": 2}))["spec"])
+    assert [e.message.split(":")[0] for e in check_trainer_implemented(both, world_size=4)] == ["4 with cp 2"]
 
     view = TrainerView.from_spec(apply_defaults(mutate(tiny_example, {"spec.trainer.parallelism.cp": 2}))["spec"])
     (error,) = check_trainer_implemented(view, world_size=1)

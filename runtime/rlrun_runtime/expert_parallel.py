@@ -1,0 +1,122 @@
+"""Expert parallelism (``trainer.parallelism.ep``): each of the ``ep`` ranks holds ``num_experts / ep`` of every
+mixture-of-experts layer's experts, and tokens travel to the rank of the expert they were routed to and back
+(two all-to-alls per layer), instead of every rank gathering every expert.
+
+This release runs ``ep`` equal to the trainer's rank count (no data-parallel replicas of an expert shard). The
+expert weights are ``DTensor`` s sharded along the expert dimension over the ranks (so checkpoints, the published
+full state dict, gradient clipping and the optimizer see the whole tensor), kept out of FSDP2 and in float32,
+cast to the compute dtype in the forward. A rank computes its experts with transformers' own grouped-GEMM experts
+forward on the tokens it receives; routing weights are applied on the token's own rank, as without parallelism.
+The gradient an expert receives is the sum over every rank's tokens; the trainer scales each rank's loss by the
+world size (FSDP2 averages), so each expert gradient is divided by the world size once (a tensor hook).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+
+def get_expert_shard(num_experts: int, ep: int, rank: int) -> tuple[int, int]:
+    """``(first expert, expert count)`` held by ``rank`` of ``ep``.
+
+    Raises:
+        ValueError: ``ep`` does not divide ``num_experts`` or ``rank`` is outside ``[0, ep)``.
+    """
+    if ep < 1 or num_experts % ep:
+        raise ValueError(f"expert-parallel degree {ep} must divide the {num_experts} experts of each layer")
+    if not 0 <= rank < ep:
+        raise ValueError(f"rank {rank} outside expert-parallel degree {ep}")
+    local = num_experts // ep
+    return rank * local, local
+
+
+def plan_dispatch(expert_ids: torch.Tensor, experts_per_rank: int, ep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, send_counts)`` for the ``[S]`` routed expert ids of one rank: ``order`` sorts the (token, k)
+    assignments by expert (so by destination rank, stable), ``send_counts[r]`` (``[ep]``, int64) is how many go
+    to rank r (experts ``[r x experts_per_rank, (r + 1) x experts_per_rank)``)."""
+    order = torch.argsort(expert_ids, stable=True)
+    send = torch.bincount(expert_ids // experts_per_rank, minlength=ep)
+    return order, send
+
+
+def get_experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """transformers' stacked-experts modules of ``model`` (3-D ``gate_up_proj`` and ``down_proj``)."""
+    return [m for m in model.modules()
+            if isinstance(getattr(m, "num_experts", None), int) and getattr(getattr(m, "gate_up_proj", None), "dim",
+                                                                          lambda: 0)() == 3
+            and getattr(getattr(m, "down_proj", None), "dim", lambda: 0)() == 3]
+
+
+def install_expert_parallel(model: torch.nn.Module, mesh: Any, compute_dtype: torch.dtype) -> set[torch.nn.Parameter]:
+    """Shard every experts module of ``model`` over the 1-D device ``mesh`` (all ranks, ``ep`` = its size) and
+    route its tokens with all-to-alls; returns the expert parameters (to keep out of FSDP2).
+
+    Raises:
+        ValueError: ``model`` has no experts module, its experts do not run transformers' grouped GEMM, or
+            ``ep`` does not divide its expert count.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    from .moe import EXPERTS_IMPLEMENTATION
+
+    modules = get_experts_modules(model)
+    if not modules:
+        raise ValueError(f"expert parallelism needs a mixture-of-experts model; {type(model).__name__} has no "
+                         "experts")
+    ep, rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+    world = ep
+    params: set[torch.nn.Parameter] = set()
+    for module in modules:
+        if getattr(module.config, "_experts_implementation", None) != EXPERTS_IMPLEMENTATION:
+            raise ValueError(f"expert parallelism runs the experts through {EXPERTS_IMPLEMENTATION!r}")
+        start, local = get_expert_shard(module.num_experts, ep, rank)
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(module, name)
+            shard = full.detach()[start:start + local].clone().to(torch.float32)
+            param = torch.nn.Parameter(DTensor.from_local(shard, mesh, [Shard(0)], run_check=False))
+            param.register_hook(lambda grad: grad / world)
+            setattr(module, name, param)
+            params.add(param)
+        module.forward = types.MethodType(_get_forward(group, ep, start, local, compute_dtype), module)
+    return params
+
+
+def _get_forward(group: Any, ep: int, start: int, local: int, compute_dtype: torch.dtype) -> Any:
+    """The experts module's forward under expert parallelism (same signature as transformers'), for the rank
+    holding experts ``[start, start + local)``."""
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    def forward(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, top_k = hidden_states.shape[0], top_k_index.shape[-1]
+        expert_ids = top_k_index.reshape(-1)
+        order, send = plan_dispatch(expert_ids, local, ep)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        send_sizes, recv_sizes = send.tolist(), recv.tolist()
+        ids = torch.empty(sum(recv_sizes), dtype=expert_ids.dtype, device=expert_ids.device)
+        dist.all_to_all_single(ids, expert_ids[order].contiguous(), recv_sizes, send_sizes, group=group)
+        received = all_to_all_single_autograd(hidden_states[order // top_k], recv_sizes, send_sizes, group)
+        up = self.gate_up_proj.to_local().to(compute_dtype)
+        down = self.down_proj.to_local().to(compute_dtype)
+        if received.shape[0]:
+            view = types.SimpleNamespace(num_experts=local, gate_up_proj=up, down_proj=down, has_gate=True,
+                                         has_bias=False, is_transposed=getattr(self, "is_transposed", False),
+                                         _is_expert_parallel=False, _apply_gate=self._apply_gate,
+                                         act_fn=self.act_fn)
+            ones = received.new_ones(received.shape[0], 1)
+            out = grouped_mm_experts_forward(view, received, (ids - start).view(-1, 1), ones)
+        else:  # no token routed here: zero gradients for the local experts all the same, as without parallelism
+            out = received + (up.sum() + down.sum()) * 0
+        back = all_to_all_single_autograd(out.to(hidden_states.dtype), send_sizes, recv_sizes, group)
+        weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)
+        # back to (token, k) order, then the sum over k (as transformers sums, not an index_add)
+        unsorted = torch.zeros_like(weighted).index_copy(0, order, weighted)
+        return unsorted.view(tokens, top_k, -1).sum(dim=1)
+
+    return forward
