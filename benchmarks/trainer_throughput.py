@@ -209,7 +209,7 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
               checkpoint_layers: bool | str, device: torch.device, warmup: int, steps: int,
               profile: bool = False, wrap_fsdp: bool | str = True, lora_rank: int = 0,
               quantization: str = "none", keep_gathered: bool | None = None,
-              keep_logits: bool = True, cp: int = 1) -> dict[str, Any]:
+              keep_logits: bool = True, cp: int = 1, ep: int = 1) -> dict[str, Any]:
     """rlrun's ``Trainer`` (FSDP2 at world size 1 unless ``wrap_fsdp`` is False, fp32 master weights, bf16
     compute on GPU) on ``samples``, with LoRA of ``lora_rank`` on :data:`LORA_TARGETS` (alpha 2 x rank) or
     ``quantization`` fp8; ``keep_logits`` False: the LM head recomputes its logits in the backward; ``cp``: the
@@ -224,7 +224,7 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
                       lr_warmup_steps=0, temperature=1.0, ratio_low=0.125, ratio_high=8.0, kl_coef=0.0,
                       checkpoint_interval=10**6, checkpoint_keep=1,
                       dtype="bfloat16" if device.type == "cuda" else "float32", use_gpu=device.type == "cuda",
-                      nodes=1, gpus_per_node=int(device.type == "cuda"), fsdp=-1, ep=1, cp=cp, lora_rank=lora_rank,
+                      nodes=1, gpus_per_node=int(device.type == "cuda"), fsdp=-1, ep=ep, cp=cp, lora_rank=lora_rank,
                       quantization=quantization, micro_batch_tokens=budget, lora_alpha=2.0 * lora_rank,
                       lora_target_modules=LORA_TARGETS,
                       activation_checkpointing="selective" if checkpoint_layers == "selective" else "none")
@@ -284,7 +284,7 @@ def save_random_model(shape: dict[str, Any], model_dir: Path, device: torch.devi
 
 
 def init_world_of_one(device: torch.device) -> None:
-    """A world of one, or torchrun's world when started under torchrun (``--cp``)."""
+    """A world of one, or torchrun's world when started under torchrun (``--cp``, ``--ep``)."""
     from rlrun_runtime.trainer import init_distributed
 
     init_distributed(device.type == "cuda")
@@ -306,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--row-multiple", type=int, default=0,
                         help="pad packed GPU rows to a multiple of this many tokens instead of the trainer's "
                              "GPU_ROW_MULTIPLE (each distinct row length is one more compiled kernel)")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel degree of the rlrun cases (a MoE --shape): run under torchrun with --ep "
+                             "processes, each a data-parallel rank holding 1/ep of the experts")
     parser.add_argument("--cp", type=int, default=1,
                         help="context-parallel degree of the rlrun cases; run under torchrun with --cp processes "
                              "(one per GPU) and a --model-dir built beforehand; rank 0 prints")
@@ -321,12 +324,15 @@ def main(argv: list[str] | None = None) -> int:
         import rlrun_runtime.trainer as trainer_module
 
         trainer_module.GPU_ROW_MULTIPLE = args.row_multiple
-    init_world_of_one(device)  # or torchrun's world (--cp)
-    if dist.get_world_size() != args.cp:
-        parser.error(f"--cp {args.cp} needs a world of {args.cp} processes (torchrun --nproc-per-node {args.cp}), "
+    init_world_of_one(device)  # or torchrun's world (--cp, --ep)
+    ranks = max(args.cp, args.ep)
+    if args.cp > 1 and args.ep > 1:
+        parser.error("--cp and --ep together are not implemented in the trainer")
+    if dist.get_world_size() != ranks:
+        parser.error(f"--cp/--ep {ranks} needs a world of {ranks} processes (torchrun --nproc-per-node {ranks}), "
                      f"not {dist.get_world_size()}")
-    if args.cp > 1 and not (args.model_dir and (Path(args.model_dir) / "config.json").is_file()):
-        parser.error("--cp needs a --model-dir built beforehand by one process (every rank would build its own)")
+    if ranks > 1 and not (args.model_dir and (Path(args.model_dir) / "config.json").is_file()):
+        parser.error("--cp/--ep need a --model-dir built beforehand by one process (every rank would build its own)")
     if dist.get_rank() != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - rank 0 prints the figures
     results: dict[str, Any] = {"shape": args.shape, "device": str(device), "torch": torch.__version__,
@@ -354,12 +360,12 @@ def main(argv: list[str] | None = None) -> int:
                                     profile=case == args.profile, wrap_fsdp=spec["wrap_fsdp"],
                                     lora_rank=spec["lora_rank"], quantization=spec["quantization"],
                                     keep_gathered=spec["keep_gathered"], keep_logits=spec["keep_logits"],
-                                    cp=args.cp)
+                                    cp=args.cp, ep=args.ep)
                     seq_len = round(sum(lengths) / len(lengths))
                     out["mean_doc_len"] = seq_len
                 out["tokens_per_s"] = out["tokens"] / out["step_s"]
-                # per GPU: a context-parallel group of --cp GPUs runs the step's tokens together
-                out["mfu"] = get_mfu(out["tokens_per_s"] / args.cp, out["active_params"], shape, seq_len)
+                # per GPU: the world's GPUs run the step's tokens together (--cp, --ep)
+                out["mfu"] = get_mfu(out["tokens_per_s"] / ranks, out["active_params"], shape, seq_len)
             except torch.OutOfMemoryError as exc:
                 traceback.print_exc()  # where the allocation was asked for
                 out = {"error": f"out of memory: {str(exc).splitlines()[0]}", "peak_gib": peak_gib(device)}
