@@ -28,6 +28,9 @@ its logits in the backward (before 2026-12-07 the only way; now logits up to
     python benchmarks/trainer_throughput.py                      # the H200 cases
     python benchmarks/trainer_throughput.py --shape tiny --device cpu --cases packed16,var16 --steps 2
     python benchmarks/trainer_throughput.py --shape 30b-a3b --model-dir /tmp/moe --cases packed16c   # MoE
+    torchrun --nproc-per-node 2 benchmarks/trainer_throughput.py --model-dir /tmp/m06 --cp 2 --cases packed64c
+    torchrun --nproc-per-node 2 benchmarks/trainer_throughput.py --shape 30b-a3b --model-dir /tmp/moe --ep 2 \
+        --cases packed16c   # (--model-dir built by one process first; rank 0 prints)
 """
 
 from __future__ import annotations
