@@ -8,7 +8,8 @@ full state dict, gradient clipping and the optimizer see the whole tensor), kept
 cast to the compute dtype in the forward. A rank computes its experts with transformers' own grouped-GEMM experts
 forward on the tokens it receives; routing weights are applied on the token's own rank, as without parallelism.
 The gradient an expert receives is the sum over every rank's tokens; the trainer scales each rank's loss by the
-world size (FSDP2 averages), so each expert gradient is divided by the world size once (a tensor hook).
+world size (FSDP2 averages), so each expert gradient is divided by the world size once (a tensor hook). Frozen
+experts (LoRA) stay frozen; the experts' forward runs outside ``torch.compile`` (its split sizes are host values).
 """
 
 from __future__ import annotations
@@ -66,21 +67,33 @@ def install_expert_parallel(model: torch.nn.Module, mesh: Any, compute_dtype: to
     if not modules:
         raise ValueError(f"expert parallelism needs a mixture-of-experts model; {type(model).__name__} has no "
                          "experts")
-    ep, rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+    import torch.distributed as dist
+
+    ep, rank = mesh.size(), mesh.get_local_rank()
     world = ep
+    # the all-to-alls get a group of their own, so they do not queue behind FSDP2's prefetched all-gathers
+    group = dist.new_group(list(range(world)))
     params: set[torch.nn.Parameter] = set()
     for module in modules:
         if getattr(module.config, "_experts_implementation", None) != EXPERTS_IMPLEMENTATION:
             raise ValueError(f"expert parallelism runs the experts through {EXPERTS_IMPLEMENTATION!r}")
+        if getattr(module, "has_bias", False) or not getattr(module, "has_gate", True):
+            raise ValueError(f"expert parallelism supports gated experts without biases (Qwen3-MoE's); "
+                             f"{type(module).__name__} has {'biases' if getattr(module, 'has_bias', False) else 'no gate'}")
         start, local = get_expert_shard(module.num_experts, ep, rank)
         for name in ("gate_up_proj", "down_proj"):
             full = getattr(module, name)
             shard = full.detach()[start:start + local].clone().to(torch.float32)
-            param = torch.nn.Parameter(DTensor.from_local(shard, mesh, [Shard(0)], run_check=False))
-            param.register_hook(lambda grad: grad / world)
+            # frozen stays frozen (LoRA trains only its adapters)
+            param = torch.nn.Parameter(DTensor.from_local(shard, mesh, [Shard(0)], run_check=False),
+                                       requires_grad=full.requires_grad)
+            if param.requires_grad:
+                param.register_hook(lambda grad: grad / world)
             setattr(module, name, param)
             params.add(param)
-        module.forward = types.MethodType(_get_forward(group, ep, start, local, compute_dtype), module)
+        # not compiled: the split sizes are read on the host, and each new one would recompile the layer
+        forward = types.MethodType(_get_forward(group, ep, start, local, compute_dtype), module)
+        module.forward = torch.compiler.disable(forward)
     return params
 
 
@@ -114,9 +127,9 @@ def _get_forward(group: Any, ep: int, start: int, local: int, compute_dtype: tor
         else:  # no token routed here: zero gradients for the local experts all the same, as without parallelism
             out = received + (up.sum() + down.sum()) * 0
         back = all_to_all_single_autograd(out.to(hidden_states.dtype), send_sizes, recv_sizes, group)
-        weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)
+        weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1)  # promoted as transformers does
         # back to (token, k) order, then the sum over k (as transformers sums, not an index_add)
         unsorted = torch.zeros_like(weighted).index_copy(0, order, weighted)
-        return unsorted.view(tokens, top_k, -1).sum(dim=1)
+        return unsorted.view(tokens, top_k, hidden_states.shape[-1]).sum(dim=1).to(hidden_states.dtype)
 
     return forward

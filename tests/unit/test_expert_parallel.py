@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlrun_runtime.expert_parallel import get_expert_shard, get_experts_modules, plan_dispatch
@@ -20,6 +20,7 @@ def test_each_rank_holds_a_contiguous_equal_share_of_the_experts():
             get_expert_shard(experts, ep, rank)
 
 
+@settings(deadline=None)
 @given(ids=st.lists(st.integers(0, 15), min_size=1, max_size=64), ep=st.sampled_from([1, 2, 4, 8]))
 def test_dispatch_sorts_by_expert_and_counts_per_destination(ids, ep):
     expert_ids = torch.tensor(ids)
@@ -43,3 +44,42 @@ def test_the_experts_modules_of_a_moe_model_and_none_of_a_dense_one(tmp_path):
     found = get_experts_modules(moe)
     assert len(found) == 2 and all(m.gate_up_proj.shape[0] == 4 == m.num_experts for m in found)
     assert get_experts_modules(make_model()) == []
+
+
+def test_one_rank_dispatch_equals_transformers_and_frozen_experts_stay_frozen(tmp_path, world_of_one):
+    """On a mesh of one rank the dispatch path (sort, all-to-alls, grouped GEMM over the local experts, return,
+    routing weights, sum over k) gives transformers' own experts output and gradients; experts frozen before
+    (LoRA) stay frozen, trainable ones keep training."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from rlrun_runtime.expert_parallel import install_expert_parallel
+    from rlrun_runtime.moe import get_load_kwargs
+    from tiny_qwen3 import save_moe_model_dir
+
+    path = save_moe_model_dir(tmp_path / "moe")
+    load = dict(dtype=torch.float32, **get_load_kwargs(AutoModelForCausalLM.from_pretrained(path).config))
+    ids = torch.randint(2, 60, (1, 24), generator=torch.Generator().manual_seed(0))
+
+    def run(model):
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids).logits
+        (logits.square().mean()).backward()
+        grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                 for n, p in model.named_parameters() if p.grad is not None}
+        return logits.detach(), grads
+
+    want, want_grads = run(AutoModelForCausalLM.from_pretrained(path, **load))
+    model = AutoModelForCausalLM.from_pretrained(path, **load)
+    params = install_expert_parallel(model, init_device_mesh("cpu", (1,)), torch.float32)
+    assert len(params) == 4  # 2 layers x (gate_up_proj, down_proj)
+    got, got_grads = run(model)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+    frozen = AutoModelForCausalLM.from_pretrained(path, **load)
+    frozen.requires_grad_(False)
+    assert all(not p.requires_grad for p in install_expert_parallel(frozen, init_device_mesh("cpu", (1,)),
+                                                                     torch.float32))
