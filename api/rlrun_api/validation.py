@@ -486,9 +486,7 @@ def check_trainer_implemented(trainer: TrainerView, world_size: int | None = Non
                                                            "(Ada/Hopper) or none"))
     ep = trainer.ep
     if ep != 1 and world < ep:
-        out.append(FieldError("spec.trainer.parallelism.ep", f"{ep} needs at least {ep} trainer ranks and this "
-                                                             f"trainer has {world}; raise trainer.nodes (and "
-                                                             f"gpusPerNode on GPU) to {ep} ranks, or set 1"))
+        out.append(_too_few_ranks("ep", ep, world))
     elif ep != 1 and ep != world:
         out.append(FieldError("spec.trainer.parallelism.ep", f"{ep} over {world} trainer ranks: expert parallelism "
                                                              "runs over every rank (data-parallel copies of an "
@@ -500,10 +498,7 @@ def check_trainer_implemented(trainer: TrainerView, world_size: int | None = Non
                                                              "one of them to 1"))
     cp = trainer.cp
     if cp != 1 and world < cp:
-        out.append(FieldError("spec.trainer.parallelism.cp", f"{cp} needs at least {cp} trainer ranks and this "
-                                                             f"trainer has {world}; raise trainer.nodes (and "
-                                                             f"gpusPerNode on GPU) to {cp} ranks or more, or set "
-                                                             "1"))
+        out.append(_too_few_ranks("cp", cp, world))
     elif cp != 1 and world % cp:
         out.append(FieldError("spec.trainer.parallelism.cp", f"{cp} does not divide the {world} trainer ranks; pick "
                                                              f"a divisor of {world}"))
@@ -520,6 +515,13 @@ def check_trainer_implemented(trainer: TrainerView, world_size: int | None = Non
                                                                f"not implemented yet); set -1 or {full} (ranks / "
                                                                "cp)"))
     return out
+
+
+def _too_few_ranks(key: str, degree: int, world: int) -> FieldError:
+    """The error of ``trainer.parallelism.<key>`` = ``degree`` over only ``world`` trainer ranks."""
+    return FieldError(f"spec.trainer.parallelism.{key}", f"{degree} needs at least {degree} trainer ranks and this "
+                                                         f"trainer has {world}; raise trainer.nodes (and gpusPerNode "
+                                                         f"on GPU) to {degree} ranks or more, or set 1")
 
 
 def get_trainer_deprecations(trainer: TrainerView) -> list[str]:
