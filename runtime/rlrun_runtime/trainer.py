@@ -714,9 +714,10 @@ class Trainer:
             self.gauges = start_metrics_server(metrics_port)
         start = self.resume()
         if self.rank == 0:
-            cp = f", context-parallel degree {self.cfg.cp}" if self.cfg.cp > 1 else ""
-            cp += f", expert-parallel degree {self.cfg.ep}" if self.cfg.ep > 1 else ""
-            print(f"trainer: world {self.world} on {self.device}{cp}, steps {start}..{self.cfg.max_steps}", flush=True)
+            degrees = (f", context-parallel degree {self.cfg.cp}" if self.cfg.cp > 1 else "") + (
+                f", expert-parallel degree {self.cfg.ep}" if self.cfg.ep > 1 else "")
+            print(f"trainer: world {self.world} on {self.device}{degrees}, steps {start}..{self.cfg.max_steps}",
+                  flush=True)
             lora = f"LoRA rank {self.cfg.lora_rank}" if self.cfg.lora_rank else "full fine-tuning"
             print(f"trainer: {lora}, {sum(p.numel() for p in self.params)} trainable parameters, compile "
                   f"{self.cfg.compile}, activation checkpointing {self.cfg.activation_checkpointing}, quantization "
