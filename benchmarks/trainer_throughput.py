@@ -212,11 +212,12 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
               checkpoint_layers: bool | str, device: torch.device, warmup: int, steps: int,
               profile: bool = False, wrap_fsdp: bool | str = True, lora_rank: int = 0,
               quantization: str = "none", keep_gathered: bool | None = None,
-              keep_logits: bool = True, cp: int = 1, ep: int = 1) -> dict[str, Any]:
+              keep_logits: bool = True, cp: int = 1, ep: int = 1, checkpoint_interval: int = 2) -> dict[str, Any]:
     """rlrun's ``Trainer`` (FSDP2 at world size 1 unless ``wrap_fsdp`` is False, fp32 master weights, bf16
     compute on GPU) on ``samples``, with LoRA of ``lora_rank`` on :data:`LORA_TARGETS` (alpha 2 x rank) or
     ``quantization`` fp8; ``keep_logits`` False: the LM head recomputes its logits in the backward; ``cp``: the
     context-parallel degree over the torchrun world (every rank of a group runs its shard of each row);
+    ``checkpoint_interval``: the selective checkpointing's ``layerInterval`` (every n-th layer);
     ``profile``: one more step under torch.profiler, its top GPU kernels printed."""
     from rlrun_api.views import TrainerView
     from rlrun_runtime.storage import RunStorage
@@ -230,7 +231,8 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
                       nodes=1, gpus_per_node=int(device.type == "cuda"), fsdp=-1, ep=ep, cp=cp, lora_rank=lora_rank,
                       quantization=quantization, micro_batch_tokens=budget, lora_alpha=2.0 * lora_rank,
                       lora_target_modules=LORA_TARGETS,
-                      activation_checkpointing="selective" if checkpoint_layers == "selective" else "none")
+                      activation_checkpointing="selective" if checkpoint_layers == "selective" else "none",
+                      checkpoint_layer_interval=checkpoint_interval)
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-storage-") as storage_dir:
         trainer = Trainer(cfg, RunStorage(storage_dir), str(model_dir), dist.get_rank(), dist.get_world_size(),
                           device, compile_layers=compile_layers,
@@ -315,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cp", type=int, default=1,
                         help="context-parallel degree of the rlrun cases; run under torchrun with --cp processes "
                              "(one per GPU) and a --model-dir built beforehand; rank 0 prints")
+    parser.add_argument("--checkpoint-interval", type=int, default=2,
+                        help="layerInterval of the s cases' selective activation checkpointing (every n-th layer)")
     parser.add_argument("--model-dir", default=None,
                         help="keep the random model here (built when the directory has no config.json, else reused: "
                              "one process per case without rebuilding it)")
@@ -363,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
                                     profile=case == args.profile, wrap_fsdp=spec["wrap_fsdp"],
                                     lora_rank=spec["lora_rank"], quantization=spec["quantization"],
                                     keep_gathered=spec["keep_gathered"], keep_logits=spec["keep_logits"],
-                                    cp=args.cp, ep=args.ep)
+                                    cp=args.cp, ep=args.ep, checkpoint_interval=args.checkpoint_interval)
                     seq_len = round(sum(lengths) / len(lengths))
                     out["mean_doc_len"] = seq_len
                 out["tokens_per_s"] = out["tokens"] / out["step_s"]
