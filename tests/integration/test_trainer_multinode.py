@@ -29,10 +29,11 @@ from trainer_batches import write_batch
 STEPS = 2
 
 
-def write_run(tmp: Path, model_dir: Path, nodes: int, cp: int = 1, ep: int = 1, packed: bool = False) -> Path:
+def write_run(tmp: Path, model_dir: Path, nodes: int, cp: int = 1, ep: int = 1, packed: bool = False,
+              max_steps: int = STEPS) -> Path:
     """An RLRun of ``nodes`` CPU trainer nodes with context- and expert-parallel degrees ``cp`` and ``ep``;
     ``packed`` (or cp > 1): packed rows of 32 tokens (several rows per step), else the padded micro-batches of 2
-    samples."""
+    samples; a checkpoint after step STEPS, training to ``max_steps``."""
     layout = {"microBatchTokens": 32} if packed or cp > 1 else {"microBatchSize": 2}
     suffix = (f"-cp{cp}" if cp > 1 else "") + (f"-ep{ep}" if ep > 1 else "")
     run = {
@@ -40,7 +41,7 @@ def write_run(tmp: Path, model_dir: Path, nodes: int, cp: int = 1, ep: int = 1, 
         "spec": {
             "model": {"name": str(model_dir), "dtype": "float32"},
             "environment": {"type": "builtin", "name": "reverse-words"},
-            "algorithm": {"rolloutsPerPrompt": 4, "batchSize": 8, **layout, "maxSteps": STEPS,
+            "algorithm": {"rolloutsPerPrompt": 4, "batchSize": 8, **layout, "maxSteps": max_steps,
                           "learningRate": 1e-3},
             "trainer": {"nodes": nodes, "gpusPerNode": 0, "checkpoint": {"intervalSteps": STEPS},
                         "parallelism": {"cp": cp, "ep": ep}},
@@ -51,14 +52,15 @@ def write_run(tmp: Path, model_dir: Path, nodes: int, cp: int = 1, ep: int = 1, 
     return path
 
 
-def run_trainer_pods(path: Path, output_dir: Path, timeout: float = 240) -> list[tuple[str, tuple[str, ...], str]]:
-    """Start the plan's trainer pods (and nothing else) on batches 1..STEPS; (pod, argv, log) per pod."""
+def run_trainer_pods(path: Path, output_dir: Path, timeout: float = 240, steps: int = STEPS
+                     ) -> list[tuple[str, tuple[str, ...], str]]:
+    """Start the plan's trainer pods (and nothing else) on batches 1..``steps``; (pod, argv, log) per pod."""
     plan = get_plan(load_run(str(path)), output_dir, dict(os.environ, OMP_NUM_THREADS="1"))
     for file, text in plan.files.items():
         file.parent.mkdir(parents=True, exist_ok=True)
         file.write_text(text)
     storage = RunStorage(output_dir)
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         write_batch(storage, step)
     pods = plan.by_component(c.COMPONENT_TRAINER)
     procs = []
@@ -165,6 +167,24 @@ def test_expert_parallel_ranks_hold_half_the_experts_and_train_like_one_rank(tmp
                for s in (ep_storage, dp_storage)]
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in records[0]] == pytest.approx([r[key] for r in records[1]], abs=1e-6), key
-    # each rank wrote its checkpoint shard (resuming from them is checked by a review script, not here)
+    # each rank wrote its checkpoint shard
     assert sorted(p.name for p in ep_storage.checkpoint(STEPS).iterdir() if p.suffix == ".distcp") == [
         "__0_0.distcp", "__1_0.distcp"]
+
+    # Resume both runs from that checkpoint for one more step: each rank's experts and their AdamW moments
+    # come back from its own shard, so the step equals the data-parallel run's (which resumes too).
+    last = STEPS + 1
+    for name, extra in (("ep", {"ep": 2}), ("dp", {})):
+        pods = run_trainer_pods(write_run(tmp_path, model_dir, nodes=2, packed=True, max_steps=last, **extra),
+                                tmp_path / name, steps=last)
+        assert f"steps {last}..{last}" in pods[0][2], pods[0][2][-2000:]  # resumed, did not start over
+    resumed = [load_file(s.weights(last) / "model.safetensors") for s in (ep_storage, dp_storage)]
+    for key in dp_weights:
+        torch.testing.assert_close(resumed[0][key], resumed[1][key], atol=2e-5, rtol=1e-4, msg=key)
+    moved = {k for k in initial if ".experts." in k and (resumed[0][k] - ep_weights[k]).abs().max() > 1e-5}
+    assert len(moved) == 2 * 4 * 3  # every expert took the resumed step
+    records = [[json.loads(line) for line in s.metrics_file.read_text().splitlines()]
+               for s in (ep_storage, dp_storage)]
+    assert [r["step"] for r in records[0]] == list(range(1, last + 1))
+    for key in ("loss", "grad_norm"):
+        assert records[0][-1][key] == pytest.approx(records[1][-1][key], abs=1e-6), key
