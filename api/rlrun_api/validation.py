@@ -487,11 +487,10 @@ def check_trainer_implemented(trainer: TrainerView, world_size: int | None = Non
     ep = trainer.ep
     if ep != 1 and world < ep:
         out.append(_too_few_ranks("ep", ep, world))
-    elif ep != 1 and ep != world:
-        out.append(FieldError("spec.trainer.parallelism.ep", f"{ep} over {world} trainer ranks: expert parallelism "
-                                                             "runs over every rank (data-parallel copies of an "
-                                                             f"expert shard are not implemented yet); set {world} "
-                                                             "or 1"))
+    elif ep != 1 and world % ep:
+        out.append(FieldError("spec.trainer.parallelism.ep", f"{ep} does not divide the {world} trainer ranks "
+                                                             "(each group of ep ranks holds every expert once); "
+                                                             f"pick a divisor of {world}"))
     elif ep != 1 and trainer.cp != 1:
         out.append(FieldError("spec.trainer.parallelism.ep", f"{ep} with cp {trainer.cp}: expert and context "
                                                              "parallelism together are not implemented yet; set "

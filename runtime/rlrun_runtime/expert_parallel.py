@@ -2,14 +2,18 @@
 mixture-of-experts layer's experts, and tokens travel to the rank of the expert they were routed to and back
 (two all-to-alls per layer), instead of every rank gathering every expert.
 
-This release runs ``ep`` equal to the trainer's rank count (no data-parallel replicas of an expert shard). The
-expert weights are ``DTensor`` s sharded along the expert dimension over the ranks (so checkpoints, the published
-full state dict, gradient clipping and the optimizer see the whole tensor), kept out of FSDP2 and in float32,
-cast to the compute dtype in the forward. A rank computes its experts with transformers' own grouped-GEMM experts
-forward on the tokens it receives; routing weights are applied on the token's own rank, as without parallelism.
-The gradient an expert receives is the sum over every rank's tokens; the trainer scales each rank's loss by the
-world size (FSDP2 averages), so each expert gradient is divided by the world size once (a tensor hook). Frozen
-experts (LoRA) stay frozen; the experts' forward runs outside ``torch.compile`` (its split sizes are host values).
+Every rank is a data-parallel rank. With ``ep`` equal to the rank count the ranks form one expert-parallel group;
+with fewer, consecutive ranks form groups of ``ep`` (``world / ep`` replicas of each expert shard, torchtitan's
+layout of an ep degree below the data-parallel one). The expert weights are ``DTensor`` s sharded along the
+expert dimension over a group and replicated over the groups (so checkpoints, the published full state dict,
+gradient clipping and the optimizer see the whole tensor), kept out of FSDP2 and in float32, cast to the compute
+dtype in the forward. A rank computes its experts with transformers' own grouped-GEMM experts forward on the
+tokens its group sends it; routing weights are applied on the token's own rank, as without parallelism. The
+gradient an expert receives is the sum over its group's tokens, all-reduced over the replicas (every rank's
+tokens, then); the trainer scales each rank's loss by the world size (FSDP2 averages), so each expert gradient
+is divided by the world size once (a tensor hook, which also does that all-reduce, once per micro-batch).
+Frozen experts (LoRA) stay frozen; the experts' forward runs outside ``torch.compile`` (its split sizes are host
+values).
 """
 
 from __future__ import annotations
@@ -51,15 +55,34 @@ def get_experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             and getattr(getattr(m, "down_proj", None), "dim", lambda: 0)() == 3]
 
 
+def get_expert_mesh(device_type: str, world: int, ep: int) -> Any:
+    """The experts' device mesh: 1-D over every rank when ``ep == world`` (FSDP2 shards over the same mesh), else
+    2-D ``("replica", "ep")`` of shape ``(world / ep, ep)``: consecutive ranks form an expert-parallel group.
+
+    Raises:
+        ValueError: ``ep`` does not divide ``world``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if ep < 1 or world % ep:
+        raise ValueError(f"expert-parallel degree {ep} must divide the {world} trainer ranks")
+    if ep == world:
+        return init_device_mesh(device_type, (world,))
+    return init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("replica", "ep"))
+
+
 def install_expert_parallel(model: torch.nn.Module, mesh: Any, compute_dtype: torch.dtype) -> set[torch.nn.Parameter]:
-    """Shard every experts module of ``model`` over the 1-D device ``mesh`` (all ranks, ``ep`` = its size) and
-    route its tokens with all-to-alls; returns the expert parameters (to keep out of FSDP2).
+    """Shard every experts module of ``model`` over ``mesh`` (:func:`get_expert_mesh`: 1-D, every rank one
+    expert-parallel group; or 2-D ``("replica", "ep")``, sharded over ``ep`` and replicated over ``replica``) and
+    route its tokens with all-to-alls within the rank's group; returns the expert parameters (to keep out of
+    FSDP2).
 
     Raises:
         ValueError: ``model`` has no experts module, its experts do not run transformers' grouped GEMM, or
             ``ep`` does not divide its expert count.
     """
-    from torch.distributed.tensor import DTensor, Shard
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from .moe import EXPERTS_IMPLEMENTATION
 
@@ -67,12 +90,15 @@ def install_expert_parallel(model: torch.nn.Module, mesh: Any, compute_dtype: to
     if not modules:
         raise ValueError(f"expert parallelism needs a mixture-of-experts model; {type(model).__name__} has no "
                          "experts")
-    import torch.distributed as dist
-
-    ep, rank = mesh.size(), mesh.get_local_rank()
-    world = ep
-    # the all-to-alls get a group of their own, so they do not queue behind FSDP2's prefetched all-gathers
-    group = dist.new_group(list(range(world)))
+    world = dist.get_world_size()
+    if mesh.ndim == 1:
+        ep, rank, placements, replicas = mesh.size(), mesh.get_local_rank(), [Shard(0)], None
+        # the all-to-alls get a group of their own, so they do not queue behind FSDP2's prefetched all-gathers
+        # (FSDP2 shards over this very mesh)
+        group = dist.new_group(list(range(world)))
+    else:  # FSDP2 has a mesh of its own: the "ep" groups serve the all-to-alls alone
+        ep, rank, placements = mesh["ep"].size(), mesh["ep"].get_local_rank(), [Replicate(), Shard(0)]
+        group, replicas = mesh["ep"].get_group(), mesh["replica"].get_group()
     params: set[torch.nn.Parameter] = set()
     for module in modules:
         if getattr(module.config, "_experts_implementation", None) != EXPERTS_IMPLEMENTATION:
@@ -85,16 +111,32 @@ def install_expert_parallel(model: torch.nn.Module, mesh: Any, compute_dtype: to
             full = getattr(module, name)
             shard = full.detach()[start:start + local].clone().to(torch.float32)
             # frozen stays frozen (LoRA trains only its adapters)
-            param = torch.nn.Parameter(DTensor.from_local(shard, mesh, [Shard(0)], run_check=False),
+            param = torch.nn.Parameter(DTensor.from_local(shard, mesh, placements, run_check=False),
                                        requires_grad=full.requires_grad)
             if param.requires_grad:
-                param.register_hook(lambda grad: grad / world)
+                param.register_hook(_get_grad_hook(world, replicas))
             setattr(module, name, param)
             params.add(param)
         # not compiled: the split sizes are read on the host, and each new one would recompile the layer
         forward = types.MethodType(_get_forward(group, ep, start, local, compute_dtype), module)
         module.forward = torch.compiler.disable(forward)
     return params
+
+
+def _get_grad_hook(world: int, replicas: Any) -> Any:
+    """The expert parameters' gradient hook: divide by ``world`` and, with replicas (a process group), sum the
+    replicas' gradients of the same shard (the DTensor claims ``Replicate`` over them, so they must agree)."""
+    def hook(grad: Any) -> Any:
+        if replicas is None:
+            return grad / world
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        local = grad.to_local() / world
+        dist.all_reduce(local, group=replicas)
+        return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
+
+    return hook
 
 
 def _get_forward(group: Any, ep: int, start: int, local: int, compute_dtype: torch.dtype) -> Any:
@@ -133,3 +175,31 @@ def _get_forward(group: Any, ep: int, start: int, local: int, compute_dtype: tor
         return unsorted.view(tokens, top_k, hidden_states.shape[-1]).sum(dim=1).to(hidden_states.dtype)
 
     return forward
+
+
+def get_param_groups_by_mesh(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """``params`` split by the device mesh of each ``DTensor`` (plain tensors together), in order of first
+    appearance: one list for one mesh. With expert-parallel replicas the experts live on a 2-D mesh and the rest
+    on FSDP2's 1-D one, and DTensor runs no op across meshes, so the optimizer (a param group each) and clipping
+    (:func:`clip_grad_norm_by_mesh`) handle the lists one by one."""
+    groups: dict[Any, list[torch.nn.Parameter]] = {}
+    for param in params:
+        groups.setdefault(getattr(param, "device_mesh", None), []).append(param)
+    return list(groups.values())
+
+
+def clip_grad_norm_by_mesh(groups: list[list[torch.nn.Parameter]], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over the parameter lists of :func:`get_param_groups_by_mesh`: the total
+    2-norm of every gradient (a plain tensor, the same on every rank), every gradient scaled by
+    ``min(1, max_norm / (norm + 1e-6))``. One list is torch's own call."""
+    if len(groups) == 1:
+        norm = torch.nn.utils.clip_grad_norm_(groups[0], max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    norms = []
+    for params in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], 2.0)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for params in groups:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

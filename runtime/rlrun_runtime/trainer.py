@@ -38,6 +38,7 @@ from rlrun_runtime.role import RoleConfigError, env_bind_host, env_port, env_req
 
 from . import checkpoint as ckpt
 from .context_parallel import get_cp_coords, install_context_parallel, shard_micro_batch
+from .expert_parallel import clip_grad_norm_by_mesh, get_param_groups_by_mesh
 from .gathered_params import GatheredParams
 from .logprobs import LogprobHead, install_logprob_head
 from .moe import get_load_kwargs, prepare_moe_model, to_checkpoint_state_dict
@@ -542,17 +543,15 @@ def shard_model(model: Any, cfg: TrainerView, device: torch.device, compile_laye
     if cfg.ep > 1:  # each rank holds 1/ep of every experts module, kept out of FSDP2 (expert_parallel.py)
         from torch.distributed.device_mesh import init_device_mesh
 
-        from .expert_parallel import install_expert_parallel
+        from .expert_parallel import get_expert_mesh, install_expert_parallel
 
-        if cfg.ep != world:
-            raise RoleConfigError(f"spec.trainer.parallelism.ep: {cfg.ep} must equal the {world} trainer ranks "
-                                  "(data-parallel copies of an expert shard are not implemented yet); set "
-                                  f"{world} or 1")
-        mesh = init_device_mesh(device.type, (world,))  # FSDP2's mesh too: one mesh for every DTensor
         try:
-            experts = install_expert_parallel(model, mesh, compute)
+            expert_mesh = get_expert_mesh(device.type, world, cfg.ep)
+            experts = install_expert_parallel(model, expert_mesh, compute)
         except ValueError as exc:
             raise RoleConfigError(f"spec.trainer.parallelism.ep: {exc}; set 1") from None
+        # FSDP2 shards over every rank: the experts' own mesh when it is 1-D (one mesh for every DTensor)
+        mesh = expert_mesh if expert_mesh.ndim == 1 else init_device_mesh(device.type, (world,))
     shard_kwargs = {"mesh": mesh, "ignored_params": experts} if experts else {}
     # A unit per decoder layer at every world size: one unit (the root) at world size 1 was measured no faster
     # (H200, 0.6B shape, 5 processes each: median 84.4k against 86.8k tokens/s; benchmarks/README.md).
@@ -623,7 +622,10 @@ class Trainer:
             keep_gathered = wrapped and world == 1
         self.gathered = GatheredParams(self.model, world) if keep_gathered else None
         # Fused AdamW on CUDA (one kernel over all parameters); the default foreach implementation on CPU.
-        self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.learning_rate,
+        # One param group per device mesh (expert-parallel replicas put the experts on a mesh of their own).
+        self.param_groups = get_param_groups_by_mesh(self.params)
+        groups = self.params if len(self.param_groups) == 1 else [{"params": g} for g in self.param_groups]
+        self.optimizer = torch.optim.AdamW(groups, lr=self.cfg.learning_rate,
                                            weight_decay=self.cfg.weight_decay,
                                            fused=True if device.type == "cuda" else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -684,9 +686,7 @@ class Trainer:
             (loss * self.world).backward()
             sums[0] += loss.detach().double()
             sums[1:7] += mb_metrics
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_grad_norm_by_mesh(self.param_groups, self.cfg.max_grad_norm)
         self.optimizer.step()
         if self.gathered is not None:  # world size 1: the kept compute copies take the new weights
             refreshed = self.gathered.refresh()

@@ -188,3 +188,40 @@ def test_expert_parallel_ranks_hold_half_the_experts_and_train_like_one_rank(tmp
     assert [r["step"] for r in records[0]] == list(range(1, last + 1))
     for key in ("loss", "grad_norm"):
         assert records[0][-1][key] == pytest.approx(records[1][-1][key], abs=1e-6), key
+
+
+@pytest.mark.timeout(900)
+def test_expert_parallel_groups_with_replicas_train_like_data_parallel(tmp_path: Path) -> None:
+    """``parallelism.ep: 2`` on four nodes: ranks 0-1 and 2-3 form two expert-parallel groups, each holding every
+    expert once (2 per rank), so each expert shard has two replicas whose gradients are summed. The update must
+    equal four data-parallel ranks holding every expert."""
+    model_dir = save_moe_model_dir(tmp_path / "model")
+    ep = run_trainer_pods(write_run(tmp_path, model_dir, nodes=4, ep=2, packed=True), tmp_path / "ep", timeout=400)
+    assert "world 4" in ep[0][2] and "expert-parallel degree 2" in ep[0][2]
+    dp = run_trainer_pods(write_run(tmp_path, model_dir, nodes=4, packed=True), tmp_path / "dp", timeout=400)
+    ep_storage, dp_storage = RunStorage(tmp_path / "ep"), RunStorage(tmp_path / "dp")
+    ep_weights = load_file(ep_storage.weights(STEPS) / "model.safetensors")
+    dp_weights = load_file(dp_storage.weights(STEPS) / "model.safetensors")
+    initial = load_file(model_dir / "model.safetensors")
+    assert ep_weights.keys() == dp_weights.keys() == initial.keys()
+    for key in dp_weights:
+        torch.testing.assert_close(ep_weights[key], dp_weights[key], atol=2e-5, rtol=1e-4, msg=key)
+    moved = {k for k in initial if ".experts." in k and (ep_weights[k] - initial[k]).abs().max() > 1e-4}
+    assert len(moved) == 2 * 4 * 3  # every expert learned
+    records = [[json.loads(line) for line in s.metrics_file.read_text().splitlines()]
+               for s in (ep_storage, dp_storage)]
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in records[0]] == pytest.approx([r[key] for r in records[1]], abs=1e-6), key
+    assert sorted(p.name for p in ep_storage.checkpoint(STEPS).iterdir() if p.suffix == ".distcp") == [
+        f"__{r}_0.distcp" for r in range(4)]
+    # resumed for two more steps, each replica reads its shard back (a shard is saved once, by one replica); the
+    # second step's gradients carry every replica's resumed state (rank 0 alone publishes)
+    last = STEPS + 2
+    for name, extra in (("ep", {"ep": 2}), ("dp", {})):
+        pods = run_trainer_pods(write_run(tmp_path, model_dir, nodes=4, packed=True, max_steps=last, **extra),
+                                tmp_path / name, timeout=400, steps=last)
+        assert f"steps {STEPS + 1}..{last}" in pods[0][2], pods[0][2][-2000:]
+    resumed = [load_file(s.weights(last) / "model.safetensors") for s in (ep_storage, dp_storage)]
+    for key in dp_weights:
+        torch.testing.assert_close(resumed[0][key], resumed[1][key], atol=2e-5, rtol=1e-4, msg=key)
+    assert all((resumed[0][k] - ep_weights[k]).abs().max() > 1e-5 for k in initial if ".experts." in k)

@@ -83,3 +83,21 @@ def test_one_rank_dispatch_equals_transformers_and_frozen_experts_stay_frozen(tm
     frozen.requires_grad_(False)
     assert all(not p.requires_grad for p in install_expert_parallel(frozen, init_device_mesh("cpu", (1,)),
                                                                      torch.float32))
+
+
+def test_clipping_over_parameter_groups_equals_one_clip_over_all_of_them():
+    from rlrun_runtime.expert_parallel import clip_grad_norm_by_mesh, get_param_groups_by_mesh
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 4)) for _ in range(5)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 3
+    reference = [p.grad.clone() for p in params]
+    assert get_param_groups_by_mesh(params) == [params]  # plain tensors: one group
+    expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in reference]))
+    norm = clip_grad_norm_by_mesh([params[:2], params[2:]], 1.0)  # two groups, as two meshes give
+    assert norm.item() == pytest.approx(expected.item(), rel=1e-6) and norm.item() > 1  # so it clipped
+    scale = 1.0 / (expected.item() + 1e-6)
+    for p, g in zip(params, reference):
+        torch.testing.assert_close(p.grad, g * scale)
+    assert torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])).item() == pytest.approx(1.0, rel=1e-5)

@@ -212,10 +212,11 @@ def test_expert_and_context_parallelism_name_the_ranks_they_need_and_run_on_enou
     assert error.path == "spec.trainer.parallelism.ep"
     assert error.message.startswith("4 needs at least 4 trainer ranks and this trainer has 1; ") and "set 1" in \
         error.message
-    (error,) = check_trainer_implemented(view, world_size=8)  # over part of the ranks: not implemented, said plainly
-    assert error.message.startswith("4 over 8 trainer ranks: expert parallelism runs over every rank") and \
-        "set 8 or 1" in error.message
     assert check_trainer_implemented(view, world_size=4) == []  # expert parallelism over every rank runs
+    assert check_trainer_implemented(view, world_size=8) == []  # and over groups of 4 of 8 (2 replicas each)
+    (error,) = check_trainer_implemented(view, world_size=6)
+    assert error.path == "spec.trainer.parallelism.ep"
+    assert error.message.startswith("4 does not divide the 6 trainer ranks") and "pick a divisor of 6" in error.message
     both = TrainerView.from_spec(apply_defaults(mutate(tiny_example, {"spec.trainer.parallelism.ep": 4,
                                                                       "spec.trainer.parallelism.cp": 2}))["spec"])
     assert [e.message.split(":")[0] for e in check_trainer_implemented(both, world_size=4)] == ["4 with cp 2"]
