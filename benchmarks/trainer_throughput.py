@@ -312,8 +312,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="pad packed GPU rows to a multiple of this many tokens instead of the trainer's "
                              "GPU_ROW_MULTIPLE (each distinct row length is one more compiled kernel)")
     parser.add_argument("--ep", type=int, default=1,
-                        help="expert-parallel degree of the rlrun cases (a MoE --shape): run under torchrun with --ep "
-                             "processes, each a data-parallel rank holding 1/ep of the experts")
+                        help="expert-parallel degree of the rlrun cases (a MoE --shape): run under torchrun with a "
+                             "multiple of ep processes, each a data-parallel rank holding 1/ep of the experts (groups "
+                             "of ep ranks, replicated over the groups)")
     parser.add_argument("--cp", type=int, default=1,
                         help="context-parallel degree of the rlrun cases; run under torchrun with --cp processes "
                              "(one per GPU) and a --model-dir built beforehand; rank 0 prints")
@@ -332,14 +333,15 @@ def main(argv: list[str] | None = None) -> int:
 
         trainer_module.GPU_ROW_MULTIPLE = args.row_multiple
     init_world_of_one(device)  # or torchrun's world (--cp, --ep)
-    ranks = max(args.cp, args.ep)
+    ranks = dist.get_world_size()  # every rank a data-parallel rank, split into cp or ep groups
     if args.cp > 1 and args.ep > 1:
         parser.error("--cp and --ep together are not implemented in the trainer")
-    if dist.get_world_size() != ranks:
-        parser.error(f"--cp/--ep {ranks} needs a world of {ranks} processes (torchrun --nproc-per-node {ranks}), "
-                     f"not {dist.get_world_size()}")
+    for name, degree in (("cp", args.cp), ("ep", args.ep)):
+        if ranks % degree:
+            parser.error(f"--{name} {degree} must divide the world of {ranks} processes (torchrun --nproc-per-node)")
     if ranks > 1 and not (args.model_dir and (Path(args.model_dir) / "config.json").is_file()):
-        parser.error("--cp/--ep need a --model-dir built beforehand by one process (every rank would build its own)")
+        parser.error("several processes need a --model-dir built beforehand by one process (every rank would build "
+                     "its own)")
     if dist.get_rank() != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - rank 0 prints the figures
     results: dict[str, Any] = {"shape": args.shape, "device": str(device), "torch": torch.__version__,
