@@ -1,18 +1,21 @@
 """Context parallelism (``trainer.parallelism.cp``): the ``cp`` ranks of a group split every packed row into
-``cp`` contiguous shards of positions, and each attention layer gathers the whole row's keys and values.
+``2 cp`` equal chunks of positions, rank i taking chunks i and ``2 cp - 1 - i``, and each attention layer
+gathers the whole row's keys and values.
 
-Each rank embeds, projects, applies rotary positions and computes the loss for its own shard only; attention
+Each rank embeds, projects, applies rotary positions and computes the loss for its own positions only; attention
 queries of the shard see every key of the row (an all-gather of keys and values over the group, whose
 backward reduce-scatters their gradients back to the owner), under the same document-causal mask as the
 unsharded row. The loss is normalised by the step's total loss tokens on every rank, and FSDP2 sums
 gradients over all ranks (the trainer multiplies the loss by the world size), so a group's ranks together
-give exactly the unsharded row's gradient. This is the all-gather form of context parallelism (Llama 3's
-paper, section 3.3.2, uses it for documents with masks); it keeps any attention kernel and any mask, and holds
-every layer's gathered keys and values for the backward (unless activation checkpointing recomputes the layer).
+give exactly the unsharded row's gradient. This is the all-gather form of context parallelism of Llama 3's
+paper (section 3.3.2), with its load balance: under a causal mask a chunk's attention work grows with its
+position, and chunks i and ``2 cp - 1 - i`` together do the same work on every rank (exactly so for one
+document per row). It keeps any attention kernel and any mask, and holds every layer's gathered keys and values
+for the backward (unless activation checkpointing recomputes the layer). The gathered keys stay in rank order;
+the mask, not a copy, puts them back in row order (:class:`rlrun_runtime.packing.MicroBatch`'s positions).
 
 Rank layout: groups are ``cp`` consecutive ranks (rank = dp_rank x cp + cp_rank), so a group shares a node
-whenever ``cp`` divides the ranks per node. Work is not balanced along the causal mask: the shard holding
-the end of a row does the most attention work.
+whenever ``cp`` divides the ranks per node.
 """
 
 from __future__ import annotations
@@ -42,24 +45,40 @@ def get_cp_coords(rank: int, world: int, cp: int) -> tuple[int, int, int]:
     return rank // cp, world // cp, rank % cp
 
 
-def shard_micro_batch(mb: MicroBatch, cp_rank: int, cp: int) -> MicroBatch:
-    """Shard ``cp_rank`` of ``cp`` of a packed micro-batch: positions ``[s, s + T/cp)`` of its ``[1, T]`` row,
-    s = cp_rank x T/cp, every per-position tensor cut the same way; ``kv_doc_ids`` keeps the whole row's
-    ``doc_ids`` (the keys the shard's queries attend to) and ``query_offset`` is s.
+def get_shard_positions(width: int, cp_rank: int, cp: int) -> torch.Tensor:
+    """Row positions (int64 ``[width / cp]``, ascending) of ``cp_rank``'s share of a ``width``-token row: chunks
+    ``cp_rank`` and ``2 cp - 1 - cp_rank`` of ``2 cp`` equal chunks (Llama 3's load-balanced layout).
 
     Raises:
-        ValueError: a padded (not packed) micro-batch, or T not a multiple of ``cp``.
+        ValueError: ``width`` not a multiple of ``2 cp``, or ``cp_rank`` outside ``[0, cp)``.
+    """
+    if width % (2 * cp):
+        raise ValueError(f"row of {width} tokens does not split into {2 * cp} equal context-parallel chunks")
+    if not 0 <= cp_rank < cp:
+        raise ValueError(f"context-parallel rank {cp_rank} outside degree {cp}")
+    size = width // (2 * cp)
+    first, second = cp_rank * size, (2 * cp - 1 - cp_rank) * size
+    return torch.cat([torch.arange(first, first + size), torch.arange(second, second + size)])
+
+
+def shard_micro_batch(mb: MicroBatch, cp_rank: int, cp: int) -> MicroBatch:
+    """Shard ``cp_rank`` of ``cp`` of a packed micro-batch: its ``[1, T]`` row's positions
+    :func:`get_shard_positions`, every per-position tensor cut the same way (``[1, T / cp]``);
+    ``query_positions`` holds those positions, ``key_positions`` the row positions of every shard's in rank order
+    (the order the gathered keys arrive in), and ``kv_doc_ids`` their ``doc_ids``.
+
+    Raises:
+        ValueError: a padded (not packed) micro-batch, or T not a multiple of ``2 cp``.
     """
     if mb.doc_ids is None or mb.position_ids is None:
         raise ValueError("context parallelism shards packed rows only (set algorithm.microBatchTokens)")
     width = mb.input_ids.shape[1]
-    if width % cp:
-        raise ValueError(f"row of {width} tokens does not split into {cp} equal context-parallel shards")
-    size = width // cp
-    start = cp_rank * size
-    cut = {f.name: getattr(mb, f.name)[:, start:start + size] for f in dataclasses.fields(mb)
-           if isinstance(getattr(mb, f.name), torch.Tensor) and f.name != "kv_doc_ids"}
-    return dataclasses.replace(mb, **cut, kv_doc_ids=mb.doc_ids, query_offset=start)
+    positions = get_shard_positions(width, cp_rank, cp)
+    keys = torch.cat([get_shard_positions(width, r, cp) for r in range(cp)])
+    cut = {f.name: getattr(mb, f.name)[:, positions] for f in dataclasses.fields(mb)
+           if isinstance(getattr(mb, f.name), torch.Tensor)}
+    return dataclasses.replace(mb, **cut, kv_doc_ids=mb.doc_ids[:, keys], query_positions=positions,
+                               key_positions=keys)
 
 
 def install_context_parallel(model: Any, group: Any) -> str:

@@ -20,41 +20,53 @@ CP_SDPA = "rlrun_cp_sdpa"
 CP_FLEX_ATTENTION = "rlrun_cp_flex_attention"
 
 
-def get_dense_document_mask(doc_ids: torch.Tensor, query_offset: int = 0, query_len: int | None = None
+def get_dense_document_mask(doc_ids: torch.Tensor, kv_doc_ids: torch.Tensor | None = None,
+                            query_positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None
                             ) -> torch.Tensor:
-    """Boolean ``[B, 1, Tq, T]`` mask (True = may attend) from the row's ``doc_ids`` ``[B, T]`` (int64, any
-    device) for the ``Tq = query_len`` queries from row position ``query_offset`` on (None: the rest of the
-    row; a context-parallel shard is part of it, :mod:`rlrun_runtime.context_parallel`).
+    """Boolean ``[B, 1, Tq, Tk]`` mask (True = may attend): same document and not in the future.
+
+    ``doc_ids`` ``[B, Tq]`` (int64, any device) are the queries' documents; without ``kv_doc_ids`` the keys are
+    the same row in the same order. A context-parallel shard (:mod:`rlrun_runtime.context_parallel`) passes the
+    keys' documents ``kv_doc_ids`` ``[B, Tk]`` and the row positions of its queries (``[Tq]``) and of the keys
+    (``[Tk]``), in the order the kernel sees them.
 
     The padding tail (``doc_ids == -1``) forms one more document of its own, so no row is all False (SDPA
     would return NaN there).
     """
-    keys = torch.arange(doc_ids.shape[-1], device=doc_ids.device)
-    end = doc_ids.shape[-1] if query_len is None else query_offset + query_len
-    causal = keys[query_offset:end].view(1, -1, 1) >= keys.view(1, 1, -1)
-    same = doc_ids[:, query_offset:end].unsqueeze(-1) == doc_ids.unsqueeze(-2)
+    if kv_doc_ids is None:
+        positions = torch.arange(doc_ids.shape[-1], device=doc_ids.device)
+        kv_doc_ids, query_positions, key_positions = doc_ids, positions, positions
+    causal = query_positions.view(1, -1, 1) >= key_positions.view(1, 1, -1)
+    same = doc_ids.unsqueeze(-1) == kv_doc_ids.unsqueeze(-2)
     return (same & causal).unsqueeze(1)
 
 
-def get_block_document_mask(doc_ids: torch.Tensor, query_offset: int = 0, query_len: int | None = None) -> Any:
-    """FlexAttention ``BlockMask`` of the same pattern as :func:`get_dense_document_mask` (``query_len``
-    None: the rest of the row from ``query_offset``; any device, the trainer uses it on CUDA).
+def get_block_document_mask(doc_ids: torch.Tensor, kv_doc_ids: torch.Tensor | None = None,
+                            query_positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None
+                            ) -> Any:
+    """FlexAttention ``BlockMask`` of the same pattern as :func:`get_dense_document_mask` (same arguments; any
+    device, the trainer uses it on CUDA).
 
     ``create_block_mask`` runs compiled: eager, it evaluates ``mask_mod`` over the whole ``[T, T]`` grid with
     int64 intermediates, a 32 GiB allocation at T = 65,536 (the out-of-memory error of ``packed64cs`` on an H100,
     2026-12-07; benchmarks/README.md). Compiled, it reduces block by block; one dynamic-shape graph serves every
-    ``doc_ids``, row length and query shard.
+    ``doc_ids`` and row length, and one more every context-parallel shard.
 
     Raises:
         ImportError: this torch has no FlexAttention.
     """
-    batch, length = doc_ids.shape
-    queries = length - query_offset if query_len is None else query_len
+    batch, queries = doc_ids.shape
+    if kv_doc_ids is None:  # the kernel evaluates this in every partially masked block: no position lookups
+        def mask_mod(b, h, q, k):
+            return (doc_ids[b, q] == doc_ids[b, k]) & (q >= k)
 
-    def mask_mod(b, h, q, k):
-        return (doc_ids[b, q + query_offset] == doc_ids[b, k]) & (q + query_offset >= k)
+        keys = queries
+    else:
+        def mask_mod(b, h, q, k):
+            return (doc_ids[b, q] == kv_doc_ids[b, k]) & (query_positions[q] >= key_positions[k])
 
-    return _get_compiled_create_block_mask()(mask_mod, batch, None, queries, length, device=doc_ids.device)
+        keys = kv_doc_ids.shape[-1]
+    return _get_compiled_create_block_mask()(mask_mod, batch, None, queries, keys, device=doc_ids.device)
 
 
 _COMPILED_CREATE_BLOCK_MASK: Any = None
@@ -87,12 +99,9 @@ def get_model_inputs(mb: Any, device: torch.device, attn_implementation: str) ->
     input_ids = mb.input_ids.to(device, non_blocking=True)
     if mb.doc_ids is None:
         return {"input_ids": input_ids, "attention_mask": mb.attention_mask.to(device, non_blocking=True)}
-    row = mb.kv_doc_ids if mb.kv_doc_ids is not None else mb.doc_ids
-    doc_ids = row.to(device, non_blocking=True)
-    offset, queries = mb.query_offset, mb.input_ids.shape[1]
-    if uses_flex_attention(attn_implementation):
-        mask = get_block_document_mask(doc_ids, offset, queries)
-    else:
-        mask = get_dense_document_mask(doc_ids, offset, queries)
+    shard = [t if t is None else t.to(device, non_blocking=True)
+             for t in (mb.kv_doc_ids, mb.query_positions, mb.key_positions)]
+    build = get_block_document_mask if uses_flex_attention(attn_implementation) else get_dense_document_mask
+    mask = build(mb.doc_ids.to(device, non_blocking=True), *shard)
     return {"input_ids": input_ids, "position_ids": mb.position_ids.to(device, non_blocking=True),
             "attention_mask": mask}

@@ -38,10 +38,12 @@ class MicroBatch:
         position_ids: int64, the position of each token inside its own document (packed only, else None).
         doc_ids: int64, the index of the document each position belongs to (0, 1, ... in row order; -1 on
             the padding tail); packed only, else None. Attention is allowed exactly within equal ``doc_ids``.
-        kv_doc_ids: int64 ``[B, T_row]``, the whole row's ``doc_ids`` when this micro-batch is a
-            context-parallel shard of it (its queries attend to the row's keys;
-            :func:`rlrun_runtime.context_parallel.shard_micro_batch`), else None.
-        query_offset: the position in the row of this shard's first token (0 unless sharded).
+        kv_doc_ids: int64 ``[B, T_row]``, when this micro-batch is a context-parallel shard of a row
+            (:func:`rlrun_runtime.context_parallel.shard_micro_batch`): the ``doc_ids`` of the row's keys in the
+            order attention sees them (every shard's, gathered in rank order); else None.
+        query_positions: int64 ``[T]``, a shard's row position of each of its tokens (None unless sharded).
+        key_positions: int64 ``[T_row]``, a shard's row position of each key of ``kv_doc_ids`` (None unless
+            sharded).
     """
 
     input_ids: torch.Tensor
@@ -54,7 +56,8 @@ class MicroBatch:
     position_ids: torch.Tensor | None = None
     doc_ids: torch.Tensor | None = None
     kv_doc_ids: torch.Tensor | None = None
-    query_offset: int = 0
+    query_positions: torch.Tensor | None = None
+    key_positions: torch.Tensor | None = None
 
     @property
     def num_loss_tokens(self) -> int:

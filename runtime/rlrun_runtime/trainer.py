@@ -160,17 +160,18 @@ def get_step_micro_batches(samples: list[dict[str, Any]], cfg: TrainerView, rank
     multiple of :data:`GPU_ROW_MULTIPLE` on GPU), or the deprecated ``microBatchSize`` padded samples.
 
     With ``cfg.cp`` > 1 the rows are those of the rank's context-parallel group (its data-parallel rank),
-    padded so that each of the ``cp`` shards is a whole number of rows' units (128-token blocks on GPU, tokens on
-    CPU), and each is cut to the rank's shard
-    (:mod:`rlrun_runtime.context_parallel`).
+    padded so that each of their ``2 cp`` chunks is a whole number of 128-token blocks on GPU (tokens on CPU),
+    and each is cut to the rank's shard (:mod:`rlrun_runtime.context_parallel`).
 
     Raises:
         ValueError: ``cfg.cp`` > 1 without ``micro_batch_tokens``, or not dividing ``world``.
     """
     dp_rank, dp_world, cp_rank = get_cp_coords(rank, world, cfg.cp)
     if cfg.micro_batch_tokens:
-        # cp shards of whole FlexAttention blocks (128 tokens) on GPU; rows stay a multiple of GPU_ROW_MULTIPLE
-        multiple = math.lcm(GPU_ROW_MULTIPLE, 128 * cfg.cp) if device.type == "cuda" else cfg.cp
+        # cp shards of 2 cp chunks of whole FlexAttention blocks (128 tokens) on GPU; rows stay a multiple of
+        # GPU_ROW_MULTIPLE
+        chunks = 2 * cfg.cp if cfg.cp > 1 else 1
+        multiple = math.lcm(GPU_ROW_MULTIPLE, 128 * chunks) if device.type == "cuda" else chunks
         rows = get_packed_micro_batches(samples, cfg.micro_batch_tokens, dp_rank, dp_world, pad_id,
                                         on_policy_version, pad_multiple=multiple)
         return rows if cfg.cp == 1 else [shard_micro_batch(row, cp_rank, cfg.cp) for row in rows]

@@ -29,6 +29,18 @@ from trainer_batches import write_batch
 STEPS = 2
 
 
+def assert_same_update(got: torch.Tensor, want: torch.Tensor, key: str) -> None:
+    """Two runs' weights after the same AdamW steps (learning rate 1e-3), up to float summation order.
+
+    AdamW divides by sqrt(v) + eps (1e-8), so a gradient entry near eps turns summation-order noise into part of
+    a step: on 2026-12-07 one q_proj entry of 16,384 (gradient about 3e-9) moved 2.6e-4 against 2.0e-4. So every
+    entry within a tenth of a step (1e-4), and all but one in a thousand within 2e-5; a wrong gradient moves
+    many entries by up to two steps (2e-3)."""
+    diff = (got - want).abs()
+    assert float(diff.max()) <= 1e-4, f"{key}: differs by {float(diff.max()):.2e}"
+    assert float((diff > 2e-5 + 1e-4 * want.abs()).float().mean()) <= 1e-3, f"{key}: many entries differ"
+
+
 def write_run(tmp: Path, model_dir: Path, nodes: int, cp: int = 1, ep: int = 1, packed: bool = False,
               max_steps: int = STEPS) -> Path:
     """An RLRun of ``nodes`` CPU trainer nodes with context- and expert-parallel degrees ``cp`` and ``ep``;
@@ -114,7 +126,7 @@ def test_two_torchrun_agents_from_the_rendered_statefulset_train_like_one_node(t
     initial = load_file(model_dir / "model.safetensors")
     assert two_weights.keys() == one_weights.keys()
     for key in two_weights:
-        torch.testing.assert_close(two_weights[key], one_weights[key], atol=2e-5, rtol=1e-4, msg=key)
+        assert_same_update(two_weights[key], one_weights[key], key)
     assert max((two_weights[k] - initial[k]).abs().max().item() for k in initial if k in two_weights) > 1e-4
     losses = [[json.loads(line)["loss"] for line in s.metrics_file.read_text().splitlines()]
               for s in (two_storage, one_storage)]
@@ -136,7 +148,7 @@ def test_context_parallel_ranks_split_each_packed_row_and_train_like_one_rank(tm
     one_weights = load_file(one_storage.weights(STEPS) / "model.safetensors")
     initial = load_file(model_dir / "model.safetensors")
     for key in one_weights:
-        torch.testing.assert_close(cp_weights[key], one_weights[key], atol=2e-5, rtol=1e-4, msg=key)
+        assert_same_update(cp_weights[key], one_weights[key], key)
     assert max((cp_weights[k] - initial[k]).abs().max().item() for k in initial if k in cp_weights) > 1e-4
     records = [[json.loads(line) for line in s.metrics_file.read_text().splitlines()]
                for s in (cp_storage, one_storage)]
@@ -160,7 +172,7 @@ def test_expert_parallel_ranks_hold_half_the_experts_and_train_like_one_rank(tmp
     assert ep_weights.keys() == dp_weights.keys() == initial.keys()
     assert sum(".experts." in key for key in ep_weights) == 2 * 4 * 3  # layers x experts x (gate, up, down)
     for key in dp_weights:
-        torch.testing.assert_close(ep_weights[key], dp_weights[key], atol=2e-5, rtol=1e-4, msg=key)
+        assert_same_update(ep_weights[key], dp_weights[key], key)
     moved = {k for k in initial if ".experts." in k and (ep_weights[k] - initial[k]).abs().max() > 1e-4}
     assert len(moved) == 2 * 4 * 3  # every expert of both ranks learned
     records = [[json.loads(line) for line in s.metrics_file.read_text().splitlines()]
@@ -180,7 +192,7 @@ def test_expert_parallel_ranks_hold_half_the_experts_and_train_like_one_rank(tmp
         assert f"steps {last}..{last}" in pods[0][2], pods[0][2][-2000:]  # resumed, did not start over
     resumed = [load_file(s.weights(last) / "model.safetensors") for s in (ep_storage, dp_storage)]
     for key in dp_weights:
-        torch.testing.assert_close(resumed[0][key], resumed[1][key], atol=2e-5, rtol=1e-4, msg=key)
+        assert_same_update(resumed[0][key], resumed[1][key], key)
     moved = {k for k in initial if ".experts." in k and (resumed[0][k] - ep_weights[k]).abs().max() > 1e-5}
     assert len(moved) == 2 * 4 * 3  # every expert took the resumed step
     records = [[json.loads(line) for line in s.metrics_file.read_text().splitlines()]
@@ -205,7 +217,7 @@ def test_expert_parallel_groups_with_replicas_train_like_data_parallel(tmp_path:
     initial = load_file(model_dir / "model.safetensors")
     assert ep_weights.keys() == dp_weights.keys() == initial.keys()
     for key in dp_weights:
-        torch.testing.assert_close(ep_weights[key], dp_weights[key], atol=2e-5, rtol=1e-4, msg=key)
+        assert_same_update(ep_weights[key], dp_weights[key], key)
     moved = {k for k in initial if ".experts." in k and (ep_weights[k] - initial[k]).abs().max() > 1e-4}
     assert len(moved) == 2 * 4 * 3  # every expert learned
     records = [[json.loads(line) for line in s.metrics_file.read_text().splitlines()]
@@ -223,5 +235,5 @@ def test_expert_parallel_groups_with_replicas_train_like_data_parallel(tmp_path:
         assert f"steps {STEPS + 1}..{last}" in pods[0][2], pods[0][2][-2000:]
     resumed = [load_file(s.weights(last) / "model.safetensors") for s in (ep_storage, dp_storage)]
     for key in dp_weights:
-        torch.testing.assert_close(resumed[0][key], resumed[1][key], atol=2e-5, rtol=1e-4, msg=key)
+        assert_same_update(resumed[0][key], resumed[1][key], key)
     assert all((resumed[0][k] - ep_weights[k]).abs().max() > 1e-5 for k in initial if ".experts." in k)

@@ -3,10 +3,12 @@ attention runs in tests/integration/test_trainer_multinode.py, two torchrun rank
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from rlrun_runtime.context_parallel import get_cp_coords, shard_micro_batch
+from rlrun_runtime.context_parallel import get_cp_coords, get_shard_positions, shard_micro_batch
 from rlrun_runtime.packed_attention import get_dense_document_mask, get_model_inputs
 from rlrun_runtime.packing import get_micro_batch, get_packed_micro_batch, get_packed_micro_batches
 
@@ -33,20 +35,35 @@ def test_groups_are_consecutive_ranks():
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_shards_cut_every_position_tensor_and_keep_the_row_for_the_keys(cp):
-    row = _row(pad_multiple=4)
+    row = _row(pad_multiple=8)
     width = row.input_ids.shape[1]
     shards = [shard_micro_batch(row, r, cp) for r in range(cp)]
+    order = torch.cat([s.query_positions for s in shards])
+    assert sorted(order.tolist()) == list(range(width))  # every position in exactly one shard
     for name in ("input_ids", "attention_mask", "target_ids", "loss_mask", "inference_logprobs", "advantages",
                  "on_policy_mask", "position_ids", "doc_ids"):
-        assert torch.equal(torch.cat([getattr(s, name) for s in shards], dim=1), getattr(row, name)), name
-    assert [s.query_offset for s in shards] == [r * width // cp for r in range(cp)]
-    assert all(s.kv_doc_ids is row.doc_ids for s in shards)
+        assert torch.equal(torch.cat([getattr(s, name) for s in shards], dim=1), getattr(row, name)[:, order]), name
+    for s in shards:  # the keys in the order the all-gather delivers them: the shards in rank order
+        assert torch.equal(s.key_positions, order) and torch.equal(s.kv_doc_ids, row.doc_ids[:, order])
     assert sum(s.num_loss_tokens for s in shards) == row.num_loss_tokens == 12
-    assert width == 28
-    with pytest.raises(ValueError, match="does not split into 3"):
+    assert width == 32
+    with pytest.raises(ValueError, match="does not split into 6"):
         shard_micro_batch(row, 0, 3)
     with pytest.raises(ValueError, match="packed rows only"):
         shard_micro_batch(get_micro_batch([_sample([1], [2])]), 0, 2)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+def test_each_rank_takes_chunks_i_and_2cp_minus_1_minus_i_so_causal_work_is_equal(cp):
+    """Llama 3's layout: for one causal document over the row, the attention work of a position is its index + 1,
+    so every rank's sum is the same."""
+    width = 2 * cp * 16
+    shares = [get_shard_positions(width, r, cp) for r in range(cp)]
+    assert shares[0][:16].tolist() == list(range(16)) and shares[0][16:].tolist() == list(range(width - 16, width))
+    assert sorted(torch.cat(shares).tolist()) == list(range(width))
+    assert len({int((share + 1).sum()) for share in shares}) == 1
+    with pytest.raises(ValueError):
+        get_shard_positions(width + 2, 0, cp) if cp > 1 else get_shard_positions(width, 1, cp)
 
 
 def _random_row(rng, width):
@@ -67,7 +84,8 @@ def test_a_shards_masks_are_its_rows_of_the_whole_rows_mask(cp):
     """Queries of a shard against every key of the row, real documents in every shard and several query blocks
     each: the dense mask is exactly the shard's rows of the unsharded mask; the FlexAttention block mask lists
     exactly its blocks (any true) and marks exactly its full ones (all true); FlexAttention through it equals
-    SDPA through the dense mask. Dropping the query offset anywhere fails all three."""
+    SDPA through the dense mask, and the unsharded row's attention at the shard's positions. Dropping the
+    positions anywhere fails them."""
     import random
 
     from torch.nn.attention.flex_attention import flex_attention
@@ -82,9 +100,9 @@ def test_a_shards_masks_are_its_rows_of_the_whole_rows_mask(cp):
         for rank in range(cp):
             shard = shard_micro_batch(row, rank, cp)
             assert shard.num_tokens > 0  # real documents in every shard
-            lo = rank * size
+            rows, keys = shard.query_positions, shard.key_positions
             dense = get_model_inputs(shard, cpu, "sdpa")["attention_mask"]
-            assert torch.equal(dense[0, 0], full[lo:lo + size])
+            assert torch.equal(dense[0, 0], full[rows][:, keys])
             block = get_model_inputs(shard, cpu, "rlrun_cp_flex_attention")["attention_mask"]
             assert block.shape[-2:] == (size, 1024)
             tiles = dense[0, 0].view(size // 128, 128, 8, 128).permute(0, 2, 1, 3).flatten(2)
@@ -95,9 +113,13 @@ def test_a_shards_masks_are_its_rows_of_the_whole_rows_mask(cp):
                 whole[i, full_idx[i, :full_num[i]]] = True
             assert torch.equal(whole, tiles.all(-1)), rank
             assert torch.equal(listed | whole, tiles.any(-1)), rank
-            got = flex_attention(q[:, :, lo:lo + size], k, v, block_mask=block)
-            want = torch.nn.functional.scaled_dot_product_attention(q[:, :, lo:lo + size], k, v, attn_mask=dense)
+            got = flex_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], block_mask=block)
+            want = torch.nn.functional.scaled_dot_product_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                                                                    attn_mask=dense)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            # and both equal the unsharded row's attention at the shard's positions
+            whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=full)
+            torch.testing.assert_close(got, whole[:, :, rows], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("world,cp", [(2, 2), (4, 2), (6, 3), (8, 4)])
@@ -125,9 +147,10 @@ def test_data_parallel_times_context_parallel_shares(world, cp):
         for group in range(world // cp):
             ranks = shares[group * cp:(group + 1) * cp]
             for shards in zip(*ranks):
-                assert [s.query_offset for s in shards] == [i * shards[0].input_ids.shape[1] for i in range(cp)]
-                row = torch.cat([s.input_ids for s in shards], dim=1)
-                assert row.shape[1] % (1024 if device.type == "cuda" else cp) == 0
+                width = sum(s.input_ids.shape[1] for s in shards)
+                assert sorted(torch.cat([s.query_positions for s in shards]).tolist()) == list(range(width))
+                # on GPU each of the 2 cp chunks is whole 128-token blocks, the row a multiple of 1024
+                assert width % (math.lcm(1024, 256 * cp) if device.type == "cuda" else 2 * cp) == 0
                 assert torch.equal(shards[0].kv_doc_ids, torch.cat([s.doc_ids for s in shards], dim=1))
                 loss_tokens += sum(s.num_loss_tokens for s in shards)
         assert loss_tokens == count_loss_tokens(samples)

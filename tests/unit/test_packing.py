@@ -201,9 +201,16 @@ def test_block_document_mask_matches_the_dense_mask_for_every_layout():
         q, k, v = (torch.randn(1, 2, length, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
         torch.testing.assert_close(flex_attention(q, k, v, block_mask=mask), want, rtol=1e-5, atol=1e-5)
-    for width, offset in ((1024, 0), (2048, 0), (2048, 1024), (4096, 2048)):  # rows and context-parallel shards
-        get_block_document_mask((torch.arange(width) // 300)[None], offset, width - offset)
-    assert _dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 2  # 6 shapes; static shapes: 6 graphs
+    from rlrun_runtime.context_parallel import get_shard_positions
+
+    for width in (1024, 2048):  # rows
+        get_block_document_mask((torch.arange(width) // 300)[None])
+    for width, cp, rank in ((2048, 2, 1), (4096, 2, 0), (4096, 4, 3)):  # context-parallel shards
+        doc, keys = (torch.arange(width) // 300)[None], torch.cat([get_shard_positions(width, r, cp) for r in range(cp)])
+        queries = get_shard_positions(width, rank, cp)
+        get_block_document_mask(doc[:, queries], doc[:, keys], queries, keys)
+    # 7 shapes (2 above); static shapes: 7 graphs
+    assert _dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 4
 
 
 def _reference_logprobs(model, sample, temperature):
