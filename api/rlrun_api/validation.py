@@ -14,7 +14,8 @@ it runs, on the object after ``spec.apply_defaults``:
 3. semantic checks that a schema cannot express (P:D sizing, autoscaling bounds against the sized pools,
    trainer parallelism degrees, builtin environment names, metadata.name present, spec.pod.env not
    replacing the runtime's own variables nor a W&B key from spec.tracking, features this release does
-   not implement yet: LoRA on the head or embeddings, mxfp8, ep > 1, partial FSDP — checked last, only when nothing
+   not implement yet: LoRA on the head or embeddings, mxfp8, ep or cp the ranks cannot hold, ep with cp, partial
+   FSDP — checked last, only when nothing
    else is wrong). They run only when step 1 found nothing, because they read
    many fields at once and need them well typed; an error whose path a CEL rule already reported is not
    repeated.
@@ -457,7 +458,8 @@ def check_implemented(run_spec: dict[str, Any], world_size: int | None = None) -
 
 def check_trainer_implemented(trainer: TrainerView, world_size: int | None = None) -> list[FieldError]:
     """The trainer's share of :func:`check_implemented`: LoRA on the LM head or embeddings, LoRA with fp8,
-    mxfp8, ep, a cp the ranks cannot hold (or with padded micro-batches) and a partial FSDP degree.
+    mxfp8, an ep the ranks cannot hold (above their count or not dividing it) or ep with cp, a cp the ranks cannot
+    hold (or with padded micro-batches) and a partial FSDP degree.
 
     fp8 itself passes here (the CRD's rule already refuses it without GPUs); the trainer refuses it at start
     on a GPU below compute capability 8.9 (``rlrun_runtime.fp8.check_quantization``), which only it can see.

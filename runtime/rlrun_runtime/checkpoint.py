@@ -124,6 +124,13 @@ def save_checkpoint(storage: RunStorage, step: int, model: torch.nn.Module, opti
     return final
 
 
+def count_optimizer_groups(path: Path) -> int:
+    """How many optimizer parameter groups the DCP checkpoint at ``path`` holds (its ``optim.param_groups.<i>.*``
+    keys; DCP matches groups by position, so a trainer with another count cannot load it)."""
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return len({key.split(".")[2] for key in keys if key.startswith("optim.param_groups.")})
+
+
 def load_checkpoint(storage: RunStorage, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: Any) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and this rank's RNG from ``checkpoints/step-N`` (collective).
@@ -137,17 +144,28 @@ def load_checkpoint(storage: RunStorage, step: int, model: torch.nn.Module, opti
     Raises:
         FileNotFoundError: the checkpoint is not complete.
         RoleConfigError: the checkpoint does not fit the model (it lacks a trainable parameter or holds one the
-            model does not have: the model or ``trainer.lora`` changed since the run started); names the fields.
+            model does not have: the model or ``trainer.lora`` changed since the run started), or holds another
+            number of optimizer parameter groups (expert-parallel replicas turned on or off); names the fields.
     """
+    from torch.distributed.checkpoint.api import CheckpointException
+
     path = storage.checkpoint(step)
     state = json.loads((path / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
+    saved_groups = count_optimizer_groups(path)
+    if saved_groups != len(optimizer.param_groups):
+        raise RoleConfigError(
+            f"checkpoint step {step} ({path}) holds {saved_groups} optimizer parameter group(s) and this trainer "
+            f"has {len(optimizer.param_groups)}: expert-parallel replicas (spec.trainer.parallelism.ep below the "
+            "rank count) keep the experts in a group of their own; resume with the parallelism.ep and "
+            "trainer.nodes / gpusPerNode the run had, or start a new run (a new RLRun, or another --output-dir "
+            "locally)")
     model_sd, optim_sd = get_state_dict(model, optimizer, options=SAVE_OPTIONS)
     loaded = {"model": model_sd, "optim": optim_sd}
     fix = ("spec.model and spec.trainer.lora (rank, targetModules) must stay as they were when the run "
            "started: restore them, or start a new run (a new RLRun, or another --output-dir locally)")
     try:
         dcp.load(loaded, checkpoint_id=str(path))
-    except (RuntimeError, KeyError, ValueError) as exc:  # dcp's CheckpointException is a RuntimeError
+    except (CheckpointException, RuntimeError, KeyError, ValueError) as exc:  # not a RuntimeError on torch 2.13
         raise RoleConfigError(f"checkpoint step {step} does not fit this trainer's parameters "
                               f"({str(exc).strip().splitlines()[0][:300]}); {fix}") from exc
     result = set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"],

@@ -3,15 +3,16 @@ mixture-of-experts layer's experts, and tokens travel to the rank of the expert 
 (two all-to-alls per layer), instead of every rank gathering every expert.
 
 Every rank is a data-parallel rank. With ``ep`` equal to the rank count the ranks form one expert-parallel group;
-with fewer, consecutive ranks form groups of ``ep`` (``world / ep`` replicas of each expert shard, torchtitan's
-layout of an ep degree below the data-parallel one). The expert weights are ``DTensor`` s sharded along the
+with fewer, consecutive ranks form groups of ``ep``, and each expert shard has ``world / ep`` replicas (each a
+whole copy: float32 weights, gradients and AdamW moments of its ``1 / ep`` of the experts, unlike torchtitan,
+which shards them further over the replicas with FSDP). The expert weights are ``DTensor`` s sharded along the
 expert dimension over a group and replicated over the groups (so checkpoints, the published full state dict,
 gradient clipping and the optimizer see the whole tensor), kept out of FSDP2 and in float32, cast to the compute
 dtype in the forward. A rank computes its experts with transformers' own grouped-GEMM experts forward on the
 tokens its group sends it; routing weights are applied on the token's own rank, as without parallelism. The
-gradient an expert receives is the sum over its group's tokens, all-reduced over the replicas (every rank's
-tokens, then); the trainer scales each rank's loss by the world size (FSDP2 averages), so each expert gradient
-is divided by the world size once (a tensor hook, which also does that all-reduce, once per micro-batch).
+gradient an expert receives is the sum over its group's tokens; the trainer sums it over the replicas once per
+step (:func:`all_reduce_replica_grads`), so it sums every rank's tokens. The trainer scales each rank's loss by
+the world size (FSDP2 averages), so each expert gradient is divided by the world size once (a tensor hook).
 Frozen experts (LoRA) stay frozen; the experts' forward runs outside ``torch.compile`` (its split sizes are host
 values).
 """
@@ -65,7 +66,8 @@ def get_expert_mesh(device_type: str, world: int, ep: int) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     if ep < 1 or world % ep:
-        raise ValueError(f"expert-parallel degree {ep} must divide the {world} trainer ranks")
+        raise ValueError(f"expert-parallel degree {ep} must divide the {world} trainer ranks: pick a divisor of "
+                         f"{world}")
     if ep == world:
         return init_device_mesh(device_type, (world,))
     return init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("replica", "ep"))
@@ -92,13 +94,15 @@ def install_expert_parallel(model: torch.nn.Module, mesh: Any, compute_dtype: to
                          "experts")
     world = dist.get_world_size()
     if mesh.ndim == 1:
-        ep, rank, placements, replicas = mesh.size(), mesh.get_local_rank(), [Shard(0)], None
+        if mesh.size() != world:
+            raise ValueError(f"a 1-D expert mesh must hold every one of the {world} ranks, not {mesh.size()}")
+        ep, rank, placements = mesh.size(), mesh.get_local_rank(), [Shard(0)]
         # the all-to-alls get a group of their own, so they do not queue behind FSDP2's prefetched all-gathers
         # (FSDP2 shards over this very mesh)
         group = dist.new_group(list(range(world)))
     else:  # FSDP2 has a mesh of its own: the "ep" groups serve the all-to-alls alone
         ep, rank, placements = mesh["ep"].size(), mesh["ep"].get_local_rank(), [Replicate(), Shard(0)]
-        group, replicas = mesh["ep"].get_group(), mesh["replica"].get_group()
+        group = mesh["ep"].get_group()
     params: set[torch.nn.Parameter] = set()
     for module in modules:
         if getattr(module.config, "_experts_implementation", None) != EXPERTS_IMPLEMENTATION:
@@ -114,29 +118,13 @@ def install_expert_parallel(model: torch.nn.Module, mesh: Any, compute_dtype: to
             param = torch.nn.Parameter(DTensor.from_local(shard, mesh, placements, run_check=False),
                                        requires_grad=full.requires_grad)
             if param.requires_grad:
-                param.register_hook(_get_grad_hook(world, replicas))
+                param.register_hook(lambda grad: grad / world)
             setattr(module, name, param)
             params.add(param)
         # not compiled: the split sizes are read on the host, and each new one would recompile the layer
         forward = types.MethodType(_get_forward(group, ep, start, local, compute_dtype), module)
         module.forward = torch.compiler.disable(forward)
     return params
-
-
-def _get_grad_hook(world: int, replicas: Any) -> Any:
-    """The expert parameters' gradient hook: divide by ``world`` and, with replicas (a process group), sum the
-    replicas' gradients of the same shard (the DTensor claims ``Replicate`` over them, so they must agree)."""
-    def hook(grad: Any) -> Any:
-        if replicas is None:
-            return grad / world
-        import torch.distributed as dist
-        from torch.distributed.tensor import DTensor
-
-        local = grad.to_local() / world
-        dist.all_reduce(local, group=replicas)
-        return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
-
-    return hook
 
 
 def _get_forward(group: Any, ep: int, start: int, local: int, compute_dtype: torch.dtype) -> Any:
@@ -203,3 +191,56 @@ def clip_grad_norm_by_mesh(groups: list[list[torch.nn.Parameter]], max_norm: flo
     for params in groups:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+REDUCE_BUCKET_BYTES = 256 * 2**20  # one all-reduce per 256 MiB of expert gradients (a bound on the flat copy)
+
+
+def get_expert_replicas(model: torch.nn.Module) -> tuple[Any, list[torch.nn.Parameter]] | None:
+    """``(replica process group, trainable expert parameters in module order)`` when ``model``'s experts have
+    replicas (a 2-D expert mesh with more than one replica), else None."""
+    params = [p for m in get_experts_modules(model) for p in (m.gate_up_proj, m.down_proj)
+              if p.requires_grad and getattr(getattr(p, "device_mesh", None), "ndim", 1) == 2]
+    if not params or params[0].device_mesh["replica"].size() == 1:
+        return None
+    return params[0].device_mesh["replica"].get_group(), params
+
+
+def all_reduce_replica_grads(group: Any, params: list[torch.nn.Parameter],
+                             bucket_bytes: int = REDUCE_BUCKET_BYTES) -> None:
+    """Sum the expert gradients over the replicas of each shard (process ``group``), in place; call on every rank
+    once per step, after the last backward and before clipping. ``params`` (:func:`get_expert_replicas`) are
+    reduced in their order, in buckets of at most ``bucket_bytes`` (one tensor larger than that alone): the same
+    collectives in the same order on every rank, whatever autograd's order. A parameter without a gradient gets
+    zeros first (every replica then takes part)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = []
+    for param in params:
+        if param.grad is None:
+            param.grad = DTensor.from_local(torch.zeros_like(param.to_local()), param.device_mesh, param.placements,
+                                            run_check=False)
+        grads.append(param.grad._local_tensor)
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for grad in grads:
+        nbytes = grad.numel() * grad.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            _all_reduce_flat(bucket, group)
+            bucket, size = [], 0
+        bucket.append(grad)
+        size += nbytes
+    if bucket:
+        _all_reduce_flat(bucket, group)
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:
+    """Sum ``tensors`` over ``group`` in place through one flat copy (one collective)."""
+    import torch.distributed as dist
+
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()

@@ -38,7 +38,8 @@ from rlrun_runtime.role import RoleConfigError, env_bind_host, env_port, env_req
 
 from . import checkpoint as ckpt
 from .context_parallel import get_cp_coords, install_context_parallel, shard_micro_batch
-from .expert_parallel import clip_grad_norm_by_mesh, get_param_groups_by_mesh
+from .expert_parallel import (all_reduce_replica_grads, clip_grad_norm_by_mesh, get_expert_replicas,
+                              get_param_groups_by_mesh)
 from .gathered_params import GatheredParams
 from .logprobs import LogprobHead, install_logprob_head
 from .moe import get_load_kwargs, prepare_moe_model, to_checkpoint_state_dict
@@ -550,7 +551,7 @@ def shard_model(model: Any, cfg: TrainerView, device: torch.device, compile_laye
             expert_mesh = get_expert_mesh(device.type, world, cfg.ep)
             experts = install_expert_parallel(model, expert_mesh, compute)
         except ValueError as exc:
-            raise RoleConfigError(f"spec.trainer.parallelism.ep: {exc}; set 1") from None
+            raise RoleConfigError(f"spec.trainer.parallelism.ep: {exc}; or set 1") from None
         # FSDP2 shards over every rank: the experts' own mesh when it is 1-D (one mesh for every DTensor)
         mesh = expert_mesh if expert_mesh.ndim == 1 else init_device_mesh(device.type, (world,))
     shard_kwargs = {"mesh": mesh, "ignored_params": experts} if experts else {}
@@ -622,10 +623,11 @@ class Trainer:
         if keep_gathered is None:
             keep_gathered = wrapped and world == 1
         self.gathered = GatheredParams(self.model, world) if keep_gathered else None
-        # Fused AdamW on CUDA (one kernel over all parameters); the default foreach implementation on CPU.
         # One param group per device mesh (expert-parallel replicas put the experts on a mesh of their own).
-        self.param_groups = get_param_groups_by_mesh(self.params)
-        groups = self.params if len(self.param_groups) == 1 else [{"params": g} for g in self.param_groups]
+        self.params_by_mesh = get_param_groups_by_mesh(self.params)
+        groups = self.params if len(self.params_by_mesh) == 1 else [{"params": g} for g in self.params_by_mesh]
+        self.expert_replicas = get_expert_replicas(self.model)  # (group, params) with expert-parallel replicas
+        # Fused AdamW on CUDA (one kernel per param group); the default foreach implementation on CPU.
         self.optimizer = torch.optim.AdamW(groups, lr=self.cfg.learning_rate,
                                            weight_decay=self.cfg.weight_decay,
                                            fused=True if device.type == "cuda" else None)
@@ -687,7 +689,9 @@ class Trainer:
             (loss * self.world).backward()
             sums[0] += loss.detach().double()
             sums[1:7] += mb_metrics
-        grad_norm = clip_grad_norm_by_mesh(self.param_groups, self.cfg.max_grad_norm)
+        if self.expert_replicas is not None:  # each replica of an expert shard saw only its group's tokens
+            all_reduce_replica_grads(*self.expert_replicas)
+        grad_norm = clip_grad_norm_by_mesh(self.params_by_mesh, self.cfg.max_grad_norm)
         self.optimizer.step()
         if self.gathered is not None:  # world size 1: the kept compute copies take the new weights
             refreshed = self.gathered.refresh()

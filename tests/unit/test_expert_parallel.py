@@ -101,3 +101,33 @@ def test_clipping_over_parameter_groups_equals_one_clip_over_all_of_them():
     for p, g in zip(params, reference):
         torch.testing.assert_close(p.grad, g * scale)
     assert torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])).item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_replica_gradients_are_summed_in_order_in_bounded_buckets(world_of_one, monkeypatch):
+    """One process stands for two replicas holding equal gradients: the fake all-reduce doubles each bucket, and
+    every gradient must come back doubled, in buckets within the bound, in the parameters' order."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from rlrun_runtime.expert_parallel import all_reduce_replica_grads
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replica", "ep"))
+    shapes = [(4, 6, 3), (4, 3, 3), (4, 6, 3), (4, 3, 3), (4, 8, 8)]
+    params = [torch.nn.Parameter(DTensor.from_local(torch.randn(s), mesh, [Replicate(), Shard(0)], run_check=False))
+              for s in shapes]
+    for p in params[:-1]:
+        p.grad = DTensor.from_local(torch.randn(p.shape), mesh, p.placements, run_check=False)
+    before = [p.grad.to_local().clone() for p in params[:-1]]
+    sizes = []
+
+    def fake_all_reduce(tensor, group=None):
+        sizes.append(tensor.numel())
+        tensor.mul_(2)
+
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    all_reduce_replica_grads(None, params, bucket_bytes=4 * 120)  # 120 float32 values a bucket
+    for p, b in zip(params, before):
+        torch.testing.assert_close(p.grad.to_local(), 2 * b)
+    assert torch.equal(params[-1].grad.to_local(), torch.zeros(4, 8, 8))  # no gradient: zeros took part
+    assert sizes == [72 + 36, 72 + 36, 256]  # in order; the 256-value tensor alone, over the bound

@@ -378,3 +378,24 @@ def test_compiled_and_eager_layers_agree_on_the_same_weights(tmp_path, world_of_
     for (loss, _, grad), (ref_loss, _, ref_grad) in zip(compiled[1:], eager[1:]):
         assert loss == pytest.approx(ref_loss, abs=1e-4) and grad == pytest.approx(ref_grad, rel=1e-3)
     assert min(abs(c[0] - e[0]) for c, e in zip(control[1:], eager[1:])) > 0.05
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_with_another_optimizer_group_count_is_refused_by_name(tmp_path, world_of_one):
+    """Expert-parallel replicas give the experts a param group of their own, and DCP matches groups by position:
+    a checkpoint written with one group must be refused, naming the fields, by a trainer with two."""
+    from rlrun_runtime import checkpoint as ckpt
+    from rlrun_runtime.role import RoleConfigError
+
+    model_dir = save_model_dir(tmp_path / "model", seed=8)
+    tr = _trainer(tmp_path, model_dir, world_of_one)
+    tr.train_step(1, {"samples": _samples(1)})
+    ckpt.save_checkpoint(tr.storage, 1, tr.model, tr.optimizer, tr.scheduler, keep=2)
+    assert ckpt.count_optimizer_groups(tr.storage.checkpoint(1)) == 1
+    assert _trainer(tmp_path, model_dir, world_of_one).resume() == 2  # the same layout resumes
+    other = _trainer(tmp_path, model_dir, world_of_one)
+    params = list(other.params)
+    other.optimizer = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
+    with pytest.raises(RoleConfigError, match=r"holds 1 optimizer parameter group\(s\) and this trainer has 2.*"
+                                              r"parallelism\.ep"):
+        other.resume()
