@@ -9,8 +9,9 @@ unsharded row. The loss is normalised by the step's total loss tokens on every r
 gradients over all ranks (the trainer multiplies the loss by the world size), so a group's ranks together
 give exactly the unsharded row's gradient. This is the all-gather form of context parallelism of Llama 3's
 paper (section 3.3.2), with its load balance: under a causal mask a chunk's attention work grows with its
-position, and chunks i and ``2 cp - 1 - i`` together do the same work on every rank (exactly so for one
-document per row). It keeps any attention kernel and any mask, and holds every layer's gathered keys and values
+position, and chunks i and ``2 cp - 1 - i`` together do the same work on every rank for one document filling
+the row (a padding tail is a causal document of its own and loads the chunks it falls in; rows of many short
+documents are balanced by neither layout: a review counted up to 2.4x between ranks at cp 8, either way). It keeps any attention kernel and any mask, and holds every layer's gathered keys and values
 for the backward (unless activation checkpointing recomputes the layer). The gathered keys stay in rank order;
 the mask, not a copy, puts them back in row order (:class:`rlrun_runtime.packing.MicroBatch`'s positions).
 
@@ -68,10 +69,12 @@ def shard_micro_batch(mb: MicroBatch, cp_rank: int, cp: int) -> MicroBatch:
     (the order the gathered keys arrive in), and ``kv_doc_ids`` their ``doc_ids``.
 
     Raises:
-        ValueError: a padded (not packed) micro-batch, or T not a multiple of ``2 cp``.
+        ValueError: a padded (not packed) micro-batch, a shard already, or T not a multiple of ``2 cp``.
     """
     if mb.doc_ids is None or mb.position_ids is None:
         raise ValueError("context parallelism shards packed rows only (set algorithm.microBatchTokens)")
+    if mb.kv_doc_ids is not None:
+        raise ValueError("this micro-batch is a context-parallel shard already; shard the whole row")
     width = mb.input_ids.shape[1]
     positions = get_shard_positions(width, cp_rank, cp)
     keys = torch.cat([get_shard_positions(width, r, cp) for r in range(cp)])

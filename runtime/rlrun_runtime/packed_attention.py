@@ -62,13 +62,22 @@ def get_block_document_mask(doc_ids: torch.Tensor, kv_doc_ids: torch.Tensor | No
 
         keys = queries
     else:
-        def mask_mod(b, h, q, k):
-            return (doc_ids[b, q] == kv_doc_ids[b, k]) & (query_positions[q] >= key_positions[k])
-
+        # One captured table, the keys' codes then the queries', each (doc_id + 1) x 2^32 + row position: equal
+        # documents have equal high words, and within one document the codes order as the positions do. (A
+        # mask_mod reading several captured tensors by q and by k failed to compile on CPU at the second row
+        # length, torch 2.13; this has the access pattern of the unsharded mask.)
         keys = kv_doc_ids.shape[-1]
+        table = torch.cat([(kv_doc_ids + 1) * _CODE_BASE + key_positions.view(1, -1),
+                           (doc_ids + 1) * _CODE_BASE + query_positions.view(1, -1)], dim=1)
+
+        def mask_mod(b, h, q, k):
+            query, key = table[b, q + keys], table[b, k]
+            return (query // _CODE_BASE == key // _CODE_BASE) & (query >= key)
+
     return _get_compiled_create_block_mask()(mask_mod, batch, None, queries, keys, device=doc_ids.device)
 
 
+_CODE_BASE = 2**32  # above any row position: the document in the high word of a shard mask's codes
 _COMPILED_CREATE_BLOCK_MASK: Any = None
 
 

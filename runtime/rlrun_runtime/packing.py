@@ -24,7 +24,8 @@ import torch
 
 @dataclass
 class MicroBatch:
-    """One forward/backward pass worth of samples, shape ``[B, T]`` for every tensor (``B == 1`` when packed).
+    """One forward/backward pass worth of samples, shape ``[B, T]`` for every tensor (``B == 1`` when packed) but
+    a context-parallel shard's ``kv_doc_ids`` ``[B, T_row]`` and 1-D positions.
 
     Attributes:
         input_ids: int64 token ids fed to the model (padding = ``pad_id``).

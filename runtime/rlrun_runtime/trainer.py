@@ -169,8 +169,8 @@ def get_step_micro_batches(samples: list[dict[str, Any]], cfg: TrainerView, rank
     """
     dp_rank, dp_world, cp_rank = get_cp_coords(rank, world, cfg.cp)
     if cfg.micro_batch_tokens:
-        # cp shards of 2 cp chunks of whole FlexAttention blocks (128 tokens) on GPU; rows stay a multiple of
-        # GPU_ROW_MULTIPLE
+        # with cp, rows cut into 2 cp chunks, each whole FlexAttention blocks (128 tokens) on GPU; rows stay a
+        # multiple of GPU_ROW_MULTIPLE
         chunks = 2 * cfg.cp if cfg.cp > 1 else 1
         multiple = math.lcm(GPU_ROW_MULTIPLE, 128 * chunks) if device.type == "cuda" else chunks
         rows = get_packed_micro_batches(samples, cfg.micro_batch_tokens, dp_rank, dp_world, pad_id,

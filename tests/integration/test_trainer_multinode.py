@@ -29,16 +29,38 @@ from trainer_batches import write_batch
 STEPS = 2
 
 
-def assert_same_update(got: torch.Tensor, want: torch.Tensor, key: str) -> None:
-    """Two runs' weights after the same AdamW steps (learning rate 1e-3), up to float summation order.
+def assert_same_update(got: torch.Tensor, want: torch.Tensor, key: str, steps: int = STEPS) -> None:
+    """Two runs' weights after the same AdamW steps (learning rate 1e-3), up to float summation order: all but one
+    entry in a thousand within 2e-5, every entry within two steps' worth per step (2e-3 x steps).
 
-    AdamW divides by sqrt(v) + eps (1e-8), so a gradient entry near eps turns summation-order noise into part of
-    a step: on 2026-12-07 one q_proj entry of 16,384 (gradient about 3e-9) moved 2.6e-4 against 2.0e-4. So every
-    entry within a tenth of a step (1e-4), and all but one in a thousand within 2e-5; a wrong gradient moves
-    many entries by up to two steps (2e-3)."""
+    AdamW moves an entry by lr x m / (sqrt(v) + eps), eps 1e-8, which is close to lr x sign(g) whatever the
+    gradient's scale, and swings on entries whose gradient is near eps: there summation-order noise becomes part of
+    a step (on 2026-12-07 one q_proj entry of 16,384, gradient about 3e-9, moved 2.6e-4 against 2.0e-4), and a sign
+    flip two steps. So the weights show that both runs took the same steps; the gradients themselves are compared
+    through the losses, the gradient norms and :func:`assert_same_moments`."""
     diff = (got - want).abs()
-    assert float(diff.max()) <= 1e-4, f"{key}: differs by {float(diff.max()):.2e}"
+    assert float(diff.max()) <= 2e-3 * steps, f"{key}: differs by {float(diff.max()):.2e}"
     assert float((diff > 2e-5 + 1e-4 * want.abs()).float().mean()) <= 1e-3, f"{key}: many entries differ"
+
+
+def assert_same_moments(got: RunStorage, want: RunStorage, step: int, scratch: Path) -> None:
+    """The AdamW first moments in two runs' step-``step`` checkpoints agree, parameter by parameter (within 1e-2
+    relative, or 1e-3 of the tensor's largest moment). ``exp_avg`` is linear in the gradients (0.9 m + 0.1 g), so
+    unlike the weights it shows any gradient error, a wrong scale included: a wrong mask or key order moved
+    gradients by 1e-2 to 1.4 of their size (2026-12-07 mutations), while the runs' own differences stay near 5e-5
+    of the largest moment (later steps' gradients are taken at weights the near-eps entries moved apart)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    moments = []
+    for storage in (got, want):
+        out = scratch / f"moments-{len(list(scratch.glob('moments-*.pt')))}.pt"
+        dcp_to_torch_save(str(storage.checkpoint(step)), str(out))
+        state = torch.load(out, weights_only=False)["optim"]["state"]
+        moments.append({key: value["exp_avg"] for key, value in state.items()})
+    assert moments[0].keys() == moments[1].keys() and moments[0]
+    for key, expected in moments[1].items():
+        torch.testing.assert_close(moments[0][key], expected, rtol=1e-2, atol=1e-3 * float(expected.abs().max()),
+                                   msg=key)
 
 
 def write_run(tmp: Path, model_dir: Path, nodes: int, cp: int = 1, ep: int = 1, packed: bool = False,
@@ -128,9 +150,11 @@ def test_two_torchrun_agents_from_the_rendered_statefulset_train_like_one_node(t
     for key in two_weights:
         assert_same_update(two_weights[key], one_weights[key], key)
     assert max((two_weights[k] - initial[k]).abs().max().item() for k in initial if k in two_weights) > 1e-4
-    losses = [[json.loads(line)["loss"] for line in s.metrics_file.read_text().splitlines()]
-              for s in (two_storage, one_storage)]
-    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+    records = [[json.loads(line) for line in s.metrics_file.read_text().splitlines()]
+               for s in (two_storage, one_storage)]
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in records[0]] == pytest.approx([r[key] for r in records[1]], abs=1e-6), key
+    assert_same_moments(two_storage, one_storage, STEPS, tmp_path)
 
 
 @pytest.mark.timeout(600)
@@ -154,6 +178,7 @@ def test_context_parallel_ranks_split_each_packed_row_and_train_like_one_rank(tm
                for s in (cp_storage, one_storage)]
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in records[0]] == pytest.approx([r[key] for r in records[1]], abs=1e-6), key
+    assert_same_moments(cp_storage, one_storage, STEPS, tmp_path)
 
 
 @pytest.mark.timeout(600)
@@ -179,6 +204,7 @@ def test_expert_parallel_ranks_hold_half_the_experts_and_train_like_one_rank(tmp
                for s in (ep_storage, dp_storage)]
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in records[0]] == pytest.approx([r[key] for r in records[1]], abs=1e-6), key
+    assert_same_moments(ep_storage, dp_storage, STEPS, tmp_path)
     # each rank wrote its checkpoint shard
     assert sorted(p.name for p in ep_storage.checkpoint(STEPS).iterdir() if p.suffix == ".distcp") == [
         "__0_0.distcp", "__1_0.distcp"]
@@ -192,7 +218,8 @@ def test_expert_parallel_ranks_hold_half_the_experts_and_train_like_one_rank(tmp
         assert f"steps {last}..{last}" in pods[0][2], pods[0][2][-2000:]  # resumed, did not start over
     resumed = [load_file(s.weights(last) / "model.safetensors") for s in (ep_storage, dp_storage)]
     for key in dp_weights:
-        assert_same_update(resumed[0][key], resumed[1][key], key)
+        assert_same_update(resumed[0][key], resumed[1][key], key, steps=last)
+    assert_same_moments(ep_storage, dp_storage, last, tmp_path)
     moved = {k for k in initial if ".experts." in k and (resumed[0][k] - ep_weights[k]).abs().max() > 1e-5}
     assert len(moved) == 2 * 4 * 3  # every expert took the resumed step
     records = [[json.loads(line) for line in s.metrics_file.read_text().splitlines()]
@@ -224,6 +251,7 @@ def test_expert_parallel_groups_with_replicas_train_like_data_parallel(tmp_path:
                for s in (ep_storage, dp_storage)]
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in records[0]] == pytest.approx([r[key] for r in records[1]], abs=1e-6), key
+    assert_same_moments(ep_storage, dp_storage, STEPS, tmp_path)
     assert sorted(p.name for p in ep_storage.checkpoint(STEPS).iterdir() if p.suffix == ".distcp") == [
         f"__{r}_0.distcp" for r in range(4)]
     # resumed for two more steps, each replica reads its shard back (a shard is saved once, by one replica); the
@@ -235,5 +263,6 @@ def test_expert_parallel_groups_with_replicas_train_like_data_parallel(tmp_path:
         assert f"steps {STEPS + 1}..{last}" in pods[0][2], pods[0][2][-2000:]
     resumed = [load_file(s.weights(last) / "model.safetensors") for s in (ep_storage, dp_storage)]
     for key in dp_weights:
-        assert_same_update(resumed[0][key], resumed[1][key], key)
+        assert_same_update(resumed[0][key], resumed[1][key], key, steps=last)
+    assert_same_moments(ep_storage, dp_storage, last, tmp_path)
     assert all((resumed[0][k] - ep_weights[k]).abs().max() > 1e-5 for k in initial if ".experts." in k)

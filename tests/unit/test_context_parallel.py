@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlrun_runtime.context_parallel import get_cp_coords, get_shard_positions, shard_micro_batch
-from rlrun_runtime.packed_attention import get_dense_document_mask, get_model_inputs
+from rlrun_runtime.packed_attention import get_block_document_mask, get_dense_document_mask, get_model_inputs
 from rlrun_runtime.packing import get_micro_batch, get_packed_micro_batch, get_packed_micro_batches
 
 
@@ -154,3 +154,28 @@ def test_data_parallel_times_context_parallel_shares(world, cp):
                 assert torch.equal(shards[0].kv_doc_ids, torch.cat([s.doc_ids for s in shards], dim=1))
                 loss_tokens += sum(s.num_loss_tokens for s in shards)
         assert loss_tokens == count_loss_tokens(samples)
+
+
+@pytest.mark.timeout(600)
+def test_compiled_flex_attention_through_shard_masks_at_two_row_lengths():
+    """The fused (compiled) FlexAttention, as the trainer runs it on GPU, through each shard's block mask at two
+    row lengths (the second compile is the dynamic-shape one) equals SDPA through the dense mask. Forward only:
+    compiled FlexAttention has no backward on CPU. A shard mask_mod reading several captured tensors by q and by
+    k failed to compile here (torch 2.13, CPU) at the second length."""
+    import random
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled = torch.compile(flex_attention)
+    rng = random.Random(5)
+    for width in (1024, 2048):
+        row = _random_row(rng, width)
+        for rank in range(2):
+            shard = shard_micro_batch(row, rank, 2)
+            args = (shard.doc_ids, shard.kv_doc_ids, shard.query_positions, shard.key_positions)
+            gen = torch.Generator().manual_seed(width + rank)
+            q = torch.randn(1, 2, width // 2, 16, generator=gen)
+            k, v = (torch.randn(1, 2, width, 16, generator=gen) for _ in range(2))
+            got = compiled(q, k, v, block_mask=get_block_document_mask(*args))
+            want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=get_dense_document_mask(*args))
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -206,11 +206,13 @@ def test_block_document_mask_matches_the_dense_mask_for_every_layout():
     for width in (1024, 2048):  # rows
         get_block_document_mask((torch.arange(width) // 300)[None])
     for width, cp, rank in ((2048, 2, 1), (4096, 2, 0), (4096, 4, 3)):  # context-parallel shards
-        doc, keys = (torch.arange(width) // 300)[None], torch.cat([get_shard_positions(width, r, cp) for r in range(cp)])
+        doc = (torch.arange(width) // 300)[None]
+        keys = torch.cat([get_shard_positions(width, r, cp) for r in range(cp)])
         queries = get_shard_positions(width, rank, cp)
         get_block_document_mask(doc[:, queries], doc[:, keys], queries, keys)
-    # 7 shapes (2 above); static shapes: 7 graphs
-    assert _dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 4
+    # 7 shapes (2 above): one graph for rows, one for shards, one more for eager FlexAttention's own trace above;
+    # static shapes: 7 mask graphs
+    assert _dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 3
 
 
 def _reference_logprobs(model, sample, temperature):
