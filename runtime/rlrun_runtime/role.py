@@ -3,6 +3,7 @@ the one way a role reports it (:func:`role_main`)."""
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import os
 import sys
@@ -31,11 +32,15 @@ def print_role_error(role: str, message: object) -> None:
 
 def role_main(role: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
     """Decorate a role's ``main(argv) -> int``: a :class:`RoleConfigError` escaping it is printed with
-    :func:`print_role_error` and becomes exit code ``EXIT_BAD_INPUT`` (2); anything else passes through."""
+    :func:`print_role_error` and becomes exit code ``EXIT_BAD_INPUT`` (2); anything else passes through. A crash
+    below Python (SIGSEGV, SIGABRT from a native library such as gloo) prints every thread's Python stack to
+    stderr first (:mod:`faulthandler`), so the pod's log says where it died."""
 
     def decorate(main: Callable[..., int]) -> Callable[..., int]:
         @functools.wraps(main)
         def wrapper(*args: Any, **kwargs: Any) -> int:
+            if not faulthandler.is_enabled() and sys.__stderr__ is not None:
+                faulthandler.enable(sys.__stderr__, all_threads=True)
             try:
                 return main(*args, **kwargs)
             except RoleConfigError as err:

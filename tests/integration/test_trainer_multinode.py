@@ -63,6 +63,23 @@ def assert_same_moments(got: RunStorage, want: RunStorage, step: int, scratch: P
                                    msg=key)
 
 
+def assert_runs_agree(got: RunStorage, want: RunStorage, step: int, scratch: Path
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Two runs trained alike up to ``step``: the same published weight keys, the same update
+    (:func:`assert_same_update`), every step's loss and gradient norm within 1e-6 and the same AdamW first moments
+    (:func:`assert_same_moments`). Returns both runs' published weights at ``step``."""
+    weights = tuple(load_file(s.weights(step) / "model.safetensors") for s in (got, want))
+    assert weights[0].keys() == weights[1].keys()
+    for key in weights[1]:
+        assert_same_update(weights[0][key], weights[1][key], key, steps=step)
+    records = [[json.loads(line) for line in s.metrics_file.read_text().splitlines()] for s in (got, want)]
+    assert [r["step"] for r in records[0]] == [r["step"] for r in records[1]] == list(range(1, step + 1))
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in records[0]] == pytest.approx([r[key] for r in records[1]], abs=1e-6), key
+    assert_same_moments(got, want, step, scratch)
+    return weights
+
+
 def write_run(tmp: Path, model_dir: Path, nodes: int, cp: int = 1, ep: int = 1, packed: bool = False,
               max_steps: int = STEPS) -> Path:
     """An RLRun of ``nodes`` CPU trainer nodes with context- and expert-parallel degrees ``cp`` and ``ep``;
@@ -113,8 +130,9 @@ def run_trainer_pods(path: Path, output_dir: Path, timeout: float = 240, steps: 
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     results = [(pod.name, pod.argv, pod.log_path.read_text()) for pod in pods]
+    codes = {name: proc.returncode for (name, _, _), proc in zip(results, procs)}
     for (name, _, log), proc in zip(results, procs):
-        assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{log[-3000:]}"
+        assert proc.returncode == 0, f"{name} exited {proc.returncode} (every pod: {codes}):\n{log[-3000:]}"
     return results
 
 
@@ -143,18 +161,9 @@ def test_two_torchrun_agents_from_the_rendered_statefulset_train_like_one_node(t
         ".metadata", "__0_0.distcp", "__1_0.distcp", "rank-0.pt", "rank-1.pt", "trainer_state.json"]
     # The same update as one node (strided batch split, gradients averaged over the two ranks), up to
     # float summation order; and it moved the weights.
-    two_weights = load_file(two_storage.weights(STEPS) / "model.safetensors")
-    one_weights = load_file(one_storage.weights(STEPS) / "model.safetensors")
+    two_weights, _ = assert_runs_agree(two_storage, one_storage, STEPS, tmp_path)
     initial = load_file(model_dir / "model.safetensors")
-    assert two_weights.keys() == one_weights.keys()
-    for key in two_weights:
-        assert_same_update(two_weights[key], one_weights[key], key)
     assert max((two_weights[k] - initial[k]).abs().max().item() for k in initial if k in two_weights) > 1e-4
-    records = [[json.loads(line) for line in s.metrics_file.read_text().splitlines()]
-               for s in (two_storage, one_storage)]
-    for key in ("loss", "grad_norm"):
-        assert [r[key] for r in records[0]] == pytest.approx([r[key] for r in records[1]], abs=1e-6), key
-    assert_same_moments(two_storage, one_storage, STEPS, tmp_path)
 
 
 @pytest.mark.timeout(600)
@@ -167,18 +176,9 @@ def test_context_parallel_ranks_split_each_packed_row_and_train_like_one_rank(tm
     assert "world 2" in two[0][2] and "context-parallel degree 2" in two[0][2]
     one = run_trainer_pods(write_run(tmp_path, model_dir, nodes=1, packed=True), tmp_path / "one")
     assert "world 1" in one[0][2] and "context-parallel" not in one[0][2]
-    cp_storage, one_storage = RunStorage(tmp_path / "cp"), RunStorage(tmp_path / "one")
-    cp_weights = load_file(cp_storage.weights(STEPS) / "model.safetensors")
-    one_weights = load_file(one_storage.weights(STEPS) / "model.safetensors")
+    cp_weights, _ = assert_runs_agree(RunStorage(tmp_path / "cp"), RunStorage(tmp_path / "one"), STEPS, tmp_path)
     initial = load_file(model_dir / "model.safetensors")
-    for key in one_weights:
-        assert_same_update(cp_weights[key], one_weights[key], key)
     assert max((cp_weights[k] - initial[k]).abs().max().item() for k in initial if k in cp_weights) > 1e-4
-    records = [[json.loads(line) for line in s.metrics_file.read_text().splitlines()]
-               for s in (cp_storage, one_storage)]
-    for key in ("loss", "grad_norm"):
-        assert [r[key] for r in records[0]] == pytest.approx([r[key] for r in records[1]], abs=1e-6), key
-    assert_same_moments(cp_storage, one_storage, STEPS, tmp_path)
 
 
 @pytest.mark.timeout(600)
@@ -191,20 +191,12 @@ def test_expert_parallel_ranks_hold_half_the_experts_and_train_like_one_rank(tmp
     assert "world 2" in ep[0][2] and "expert-parallel degree 2" in ep[0][2]
     dp = run_trainer_pods(write_run(tmp_path, model_dir, nodes=2, packed=True), tmp_path / "dp")
     ep_storage, dp_storage = RunStorage(tmp_path / "ep"), RunStorage(tmp_path / "dp")
-    ep_weights = load_file(ep_storage.weights(STEPS) / "model.safetensors")
-    dp_weights = load_file(dp_storage.weights(STEPS) / "model.safetensors")
+    ep_weights, _ = assert_runs_agree(ep_storage, dp_storage, STEPS, tmp_path)
     initial = load_file(model_dir / "model.safetensors")
-    assert ep_weights.keys() == dp_weights.keys() == initial.keys()
+    assert ep_weights.keys() == initial.keys()
     assert sum(".experts." in key for key in ep_weights) == 2 * 4 * 3  # layers x experts x (gate, up, down)
-    for key in dp_weights:
-        assert_same_update(ep_weights[key], dp_weights[key], key)
     moved = {k for k in initial if ".experts." in k and (ep_weights[k] - initial[k]).abs().max() > 1e-4}
     assert len(moved) == 2 * 4 * 3  # every expert of both ranks learned
-    records = [[json.loads(line) for line in s.metrics_file.read_text().splitlines()]
-               for s in (ep_storage, dp_storage)]
-    for key in ("loss", "grad_norm"):
-        assert [r[key] for r in records[0]] == pytest.approx([r[key] for r in records[1]], abs=1e-6), key
-    assert_same_moments(ep_storage, dp_storage, STEPS, tmp_path)
     # each rank wrote its checkpoint shard
     assert sorted(p.name for p in ep_storage.checkpoint(STEPS).iterdir() if p.suffix == ".distcp") == [
         "__0_0.distcp", "__1_0.distcp"]
@@ -216,17 +208,9 @@ def test_expert_parallel_ranks_hold_half_the_experts_and_train_like_one_rank(tmp
         pods = run_trainer_pods(write_run(tmp_path, model_dir, nodes=2, packed=True, max_steps=last, **extra),
                                 tmp_path / name, steps=last)
         assert f"steps {last}..{last}" in pods[0][2], pods[0][2][-2000:]  # resumed, did not start over
-    resumed = [load_file(s.weights(last) / "model.safetensors") for s in (ep_storage, dp_storage)]
-    for key in dp_weights:
-        assert_same_update(resumed[0][key], resumed[1][key], key, steps=last)
-    assert_same_moments(ep_storage, dp_storage, last, tmp_path)
-    moved = {k for k in initial if ".experts." in k and (resumed[0][k] - ep_weights[k]).abs().max() > 1e-5}
+    resumed, _ = assert_runs_agree(ep_storage, dp_storage, last, tmp_path)
+    moved = {k for k in initial if ".experts." in k and (resumed[k] - ep_weights[k]).abs().max() > 1e-5}
     assert len(moved) == 2 * 4 * 3  # every expert took the resumed step
-    records = [[json.loads(line) for line in s.metrics_file.read_text().splitlines()]
-               for s in (ep_storage, dp_storage)]
-    assert [r["step"] for r in records[0]] == list(range(1, last + 1))
-    for key in ("loss", "grad_norm"):
-        assert records[0][-1][key] == pytest.approx(records[1][-1][key], abs=1e-6), key
 
 
 @pytest.mark.timeout(900)
@@ -239,19 +223,11 @@ def test_expert_parallel_groups_with_replicas_train_like_data_parallel(tmp_path:
     assert "world 4" in ep[0][2] and "expert-parallel degree 2" in ep[0][2]
     dp = run_trainer_pods(write_run(tmp_path, model_dir, nodes=4, packed=True), tmp_path / "dp", timeout=400)
     ep_storage, dp_storage = RunStorage(tmp_path / "ep"), RunStorage(tmp_path / "dp")
-    ep_weights = load_file(ep_storage.weights(STEPS) / "model.safetensors")
-    dp_weights = load_file(dp_storage.weights(STEPS) / "model.safetensors")
+    ep_weights, _ = assert_runs_agree(ep_storage, dp_storage, STEPS, tmp_path)
     initial = load_file(model_dir / "model.safetensors")
-    assert ep_weights.keys() == dp_weights.keys() == initial.keys()
-    for key in dp_weights:
-        assert_same_update(ep_weights[key], dp_weights[key], key)
+    assert ep_weights.keys() == initial.keys()
     moved = {k for k in initial if ".experts." in k and (ep_weights[k] - initial[k]).abs().max() > 1e-4}
     assert len(moved) == 2 * 4 * 3  # every expert learned
-    records = [[json.loads(line) for line in s.metrics_file.read_text().splitlines()]
-               for s in (ep_storage, dp_storage)]
-    for key in ("loss", "grad_norm"):
-        assert [r[key] for r in records[0]] == pytest.approx([r[key] for r in records[1]], abs=1e-6), key
-    assert_same_moments(ep_storage, dp_storage, STEPS, tmp_path)
     assert sorted(p.name for p in ep_storage.checkpoint(STEPS).iterdir() if p.suffix == ".distcp") == [
         f"__{r}_0.distcp" for r in range(4)]
     # resumed for two more steps, each replica reads its shard back (a shard is saved once, by one replica); the
@@ -261,8 +237,5 @@ def test_expert_parallel_groups_with_replicas_train_like_data_parallel(tmp_path:
         pods = run_trainer_pods(write_run(tmp_path, model_dir, nodes=4, packed=True, max_steps=last, **extra),
                                 tmp_path / name, timeout=400, steps=last)
         assert f"steps {STEPS + 1}..{last}" in pods[0][2], pods[0][2][-2000:]
-    resumed = [load_file(s.weights(last) / "model.safetensors") for s in (ep_storage, dp_storage)]
-    for key in dp_weights:
-        assert_same_update(resumed[0][key], resumed[1][key], key, steps=last)
-    assert_same_moments(ep_storage, dp_storage, last, tmp_path)
-    assert all((resumed[0][k] - ep_weights[k]).abs().max() > 1e-5 for k in initial if ".experts." in k)
+    resumed, _ = assert_runs_agree(ep_storage, dp_storage, last, tmp_path)
+    assert all((resumed[k] - ep_weights[k]).abs().max() > 1e-5 for k in initial if ".experts." in k)
