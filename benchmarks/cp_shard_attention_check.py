@@ -8,10 +8,12 @@ Each row packs random documents (4 to 3,000 tokens) up to a padding tail; each c
 (:func:`rlrun_runtime.context_parallel.shard_micro_batch`: chunks r and 2cp-1-r of the row as queries, the whole
 gathered row as keys) runs the one compiled ``flex_attention`` through
 :func:`rlrun_runtime.packed_attention.get_block_document_mask` with random float32 queries, keys and values of
-Qwen3-0.6B's attention shape (16 heads of 128). Printed per row length, cp and rank, one JSON line: the largest
+Qwen3-0.6B's attention shape (16 query heads of 128, 8 key/value heads, grouped). Printed per row length, cp and rank, one JSON line: the largest
 absolute error of the output and of the query, key and value gradients against SDPA through
 :func:`get_dense_document_mask` (float32, math kernel), each relative to the reference's largest entry. A wrong
-mask shows as errors near 1; float32 summation order stays under 1e-4. Exit status 1 when any error is over 1e-3.
+mask shows as errors near 1; float32 summation order stays under 1e-4. Exit status 1 when any error is over 1e-3
+or not finite, 2 without a CUDA device (unless ``--small``). Dynamo's recompile limit is made an error, so the check
+cannot pass on the eager fallback.
 
 ``--small`` runs cp 2 alone: on CPU, inductor's C++ FlexAttention template failed to compile the cp-4 shard after
 the cp-2 ones (``cur_qSplitSize1`` undeclared; torch 2.13, 2026-12-07). The CPU trainer runs SDPA, not
@@ -26,6 +28,7 @@ import random
 import sys
 
 import torch
+import torch._dynamo
 
 from rlrun_runtime.context_parallel import shard_micro_batch
 from rlrun_runtime.packed_attention import get_block_document_mask, get_dense_document_mask
@@ -55,13 +58,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--small", action="store_true", help="CPU smoke test: short rows, forward only")
     args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
+    if not args.small and not torch.cuda.is_available():
+        print("no CUDA device: this check is for a GPU (--small runs the CPU smoke test)", file=sys.stderr)
+        sys.exit(2)
+    device = torch.device("cpu" if args.small else "cuda")
     backward = device.type == "cuda"
-    widths, heads, dim, longest = ((8192, 16384), 16, 128, 3000) if not args.small else ((1024, 2048), 2, 16, 300)
+    widths, heads, kv_heads, dim, longest = (((8192, 16384), 16, 8, 128, 3000) if not args.small
+                                             else ((1024, 2048), 2, 1, 16, 300))
     from torch.nn.attention.flex_attention import flex_attention
 
+    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+        torch._dynamo.config.fail_on_recompile_limit_hit = True  # never the eager fallback
     compiled = torch.compile(flex_attention)
-    rng, worst = random.Random(7), 0.0
+    rng, worst, failed = random.Random(7), 0.0, False
     for width in widths:
         row = get_random_row(rng, width, longest)
         for cp in (2, 4) if not args.small else (2,):
@@ -71,14 +80,15 @@ def main() -> None:
                 masks = tuple(t.to(device) for t in masks)
                 gen = torch.Generator(device=device).manual_seed(width + 10 * cp + rank)
                 q = torch.randn(1, heads, width // cp, dim, generator=gen, device=device)
-                k, v = (torch.randn(1, heads, width, dim, generator=gen, device=device) for _ in range(2))
+                k, v = (torch.randn(1, kv_heads, width, dim, generator=gen, device=device) for _ in range(2))
                 g = torch.randn(1, heads, width // cp, dim, generator=gen, device=device)
                 result = {"width": width, "cp": cp, "rank": rank, "documents": int(row.doc_ids.max()) + 1,
                           "device": torch.cuda.get_device_name() if backward else "cpu"}
                 grads = {}
-                for name, run in (("flex", lambda a, b, c: compiled(a, b, c, block_mask=get_block_document_mask(*masks))),
+                for name, run in (("flex", lambda a, b, c: compiled(a, b, c, block_mask=get_block_document_mask(*masks),
+                                                                     enable_gqa=True)),
                                   ("sdpa", lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
-                                      a, b, c, attn_mask=get_dense_document_mask(*masks)))):
+                                      a, b, c, attn_mask=get_dense_document_mask(*masks), enable_gqa=True))):
                     leaves = [t.clone().requires_grad_(backward) for t in (q, k, v)]
                     if name == "sdpa" and backward:
                         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -92,12 +102,14 @@ def main() -> None:
                         out.backward(g)
                         grads[name] += [t.grad for t in leaves]
                 for label, got, want in zip(("out", "dq", "dk", "dv"), grads["flex"], grads["sdpa"]):
-                    result[f"{label}_rel_err"] = relative(got, want)
-                    worst = max(worst, result[f"{label}_rel_err"])
+                    err = result[f"{label}_rel_err"] = relative(got, want)
+                    failed |= not err <= TOLERANCE  # NaN fails too
+                    worst = max(worst, err)
                 print(json.dumps(result), flush=True)
                 del grads
-    print(json.dumps({"worst_rel_err": worst, "tolerance": TOLERANCE, "backward": backward}), flush=True)
-    sys.exit(1 if worst > TOLERANCE else 0)
+    print(json.dumps({"worst_rel_err": worst, "failed": failed, "tolerance": TOLERANCE, "backward": backward}),
+          flush=True)
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -39,8 +39,11 @@ def role_main(role: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
     def decorate(main: Callable[..., int]) -> Callable[..., int]:
         @functools.wraps(main)
         def wrapper(*args: Any, **kwargs: Any) -> int:
-            if not faulthandler.is_enabled() and sys.__stderr__ is not None:
-                faulthandler.enable(sys.__stderr__, all_threads=True)
+            if not faulthandler.is_enabled():
+                try:
+                    faulthandler.enable(sys.__stderr__, all_threads=True)
+                except (AttributeError, OSError, ValueError):  # no stderr with a file descriptor: no stacks
+                    pass
             try:
                 return main(*args, **kwargs)
             except RoleConfigError as err:

@@ -707,6 +707,13 @@ class Trainer:
         return (float(summed[0]), LossMetrics.from_tensor(summed[1:7]), float(summed[7]), num_tokens,
                 count_loss_tokens(samples), lr)
 
+    def close(self) -> None:
+        """Delete rank 0's copy of the model's non-weight files (the temporary directory beside the published
+        weights' template); idempotent."""
+        if self._template:
+            self._template.cleanup()
+            self._template = None
+
     def run(self, metrics_port: int | None) -> int:
         """Train from the resume point to maxSteps; returns 0.
 
@@ -789,16 +796,20 @@ def main(argv: list[str] | None = None) -> int:
     if unsupported:
         raise RoleConfigError("; ".join(unsupported))
     rank, world, device = init_distributed(cfg.use_gpu)
-    finished = False
+    worker = "TORCHELASTIC_RUN_ID" in os.environ
     try:
         trainer = Trainer(cfg, storage, model_path, rank, world, device)
-        code = trainer.run(metrics_port or None)
-        finished = True
+        try:
+            code = trainer.run(metrics_port or None)  # its last collective is the final checkpoint's barrier
+        finally:
+            trainer.close()
+        if worker:  # where a rank is if it dies in teardown (non-zero ranks print nothing else)
+            print(f"rlrun-runtime trainer: rank {rank}: run finished; destroying process groups", file=sys.stderr,
+                  flush=True)
     finally:
-        if finished and world > 1:  # no rank tears its groups down while a peer still talks to it
-            dist.barrier()
         dist.destroy_process_group()
-    if "TORCHELASTIC_RUN_ID" in os.environ:
+    if worker:
+        print(f"rlrun-runtime trainer: rank {rank}: process groups destroyed; exiting", file=sys.stderr, flush=True)
         end_worker(code)
     return code
 
@@ -807,8 +818,9 @@ def end_worker(code: int) -> None:
     """End a torchrun worker whose run finished (checkpoint and weights on disk, process groups destroyed) with
     exit ``code``, skipping the interpreter's finalization: there the process groups the model's device meshes still
     hold, and gloo's threads with them, are destroyed in no set order. Once in CI (2026-12-07, 4 gloo ranks, ep 2)
-    a rank whose peers had all finished aborted there (SIGABRT, ``terminate called without an active exception``);
-    it never recurred in 21 runs on this machine, loaded or not."""
+    a rank aborted after every peer had finished (SIGABRT, ``terminate called without an active exception``; its
+    position unknown, finalization the likely place); it never recurred in 21 runs on this machine, loaded or not.
+    The two lines printed before this say where a recurrence happens."""
     import logging
 
     logging.shutdown()

@@ -63,11 +63,10 @@ def assert_same_moments(got: RunStorage, want: RunStorage, step: int, scratch: P
                                    msg=key)
 
 
-def assert_runs_agree(got: RunStorage, want: RunStorage, step: int, scratch: Path
-                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def assert_runs_agree(got: RunStorage, want: RunStorage, step: int, scratch: Path) -> dict[str, torch.Tensor]:
     """Two runs trained alike up to ``step``: the same published weight keys, the same update
     (:func:`assert_same_update`), every step's loss and gradient norm within 1e-6 and the same AdamW first moments
-    (:func:`assert_same_moments`). Returns both runs' published weights at ``step``."""
+    (:func:`assert_same_moments`). Returns ``got``'s published weights at ``step``."""
     weights = tuple(load_file(s.weights(step) / "model.safetensors") for s in (got, want))
     assert weights[0].keys() == weights[1].keys()
     for key in weights[1]:
@@ -77,7 +76,7 @@ def assert_runs_agree(got: RunStorage, want: RunStorage, step: int, scratch: Pat
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in records[0]] == pytest.approx([r[key] for r in records[1]], abs=1e-6), key
     assert_same_moments(got, want, step, scratch)
-    return weights
+    return weights[0]
 
 
 def write_run(tmp: Path, model_dir: Path, nodes: int, cp: int = 1, ep: int = 1, packed: bool = False,
@@ -161,7 +160,7 @@ def test_two_torchrun_agents_from_the_rendered_statefulset_train_like_one_node(t
         ".metadata", "__0_0.distcp", "__1_0.distcp", "rank-0.pt", "rank-1.pt", "trainer_state.json"]
     # The same update as one node (strided batch split, gradients averaged over the two ranks), up to
     # float summation order; and it moved the weights.
-    two_weights, _ = assert_runs_agree(two_storage, one_storage, STEPS, tmp_path)
+    two_weights = assert_runs_agree(two_storage, one_storage, STEPS, tmp_path)
     initial = load_file(model_dir / "model.safetensors")
     assert max((two_weights[k] - initial[k]).abs().max().item() for k in initial if k in two_weights) > 1e-4
 
@@ -176,7 +175,7 @@ def test_context_parallel_ranks_split_each_packed_row_and_train_like_one_rank(tm
     assert "world 2" in two[0][2] and "context-parallel degree 2" in two[0][2]
     one = run_trainer_pods(write_run(tmp_path, model_dir, nodes=1, packed=True), tmp_path / "one")
     assert "world 1" in one[0][2] and "context-parallel" not in one[0][2]
-    cp_weights, _ = assert_runs_agree(RunStorage(tmp_path / "cp"), RunStorage(tmp_path / "one"), STEPS, tmp_path)
+    cp_weights = assert_runs_agree(RunStorage(tmp_path / "cp"), RunStorage(tmp_path / "one"), STEPS, tmp_path)
     initial = load_file(model_dir / "model.safetensors")
     assert max((cp_weights[k] - initial[k]).abs().max().item() for k in initial if k in cp_weights) > 1e-4
 
@@ -191,7 +190,7 @@ def test_expert_parallel_ranks_hold_half_the_experts_and_train_like_one_rank(tmp
     assert "world 2" in ep[0][2] and "expert-parallel degree 2" in ep[0][2]
     dp = run_trainer_pods(write_run(tmp_path, model_dir, nodes=2, packed=True), tmp_path / "dp")
     ep_storage, dp_storage = RunStorage(tmp_path / "ep"), RunStorage(tmp_path / "dp")
-    ep_weights, _ = assert_runs_agree(ep_storage, dp_storage, STEPS, tmp_path)
+    ep_weights = assert_runs_agree(ep_storage, dp_storage, STEPS, tmp_path)
     initial = load_file(model_dir / "model.safetensors")
     assert ep_weights.keys() == initial.keys()
     assert sum(".experts." in key for key in ep_weights) == 2 * 4 * 3  # layers x experts x (gate, up, down)
@@ -208,7 +207,7 @@ def test_expert_parallel_ranks_hold_half_the_experts_and_train_like_one_rank(tmp
         pods = run_trainer_pods(write_run(tmp_path, model_dir, nodes=2, packed=True, max_steps=last, **extra),
                                 tmp_path / name, steps=last)
         assert f"steps {last}..{last}" in pods[0][2], pods[0][2][-2000:]  # resumed, did not start over
-    resumed, _ = assert_runs_agree(ep_storage, dp_storage, last, tmp_path)
+    resumed = assert_runs_agree(ep_storage, dp_storage, last, tmp_path)
     moved = {k for k in initial if ".experts." in k and (resumed[k] - ep_weights[k]).abs().max() > 1e-5}
     assert len(moved) == 2 * 4 * 3  # every expert took the resumed step
 
@@ -223,7 +222,7 @@ def test_expert_parallel_groups_with_replicas_train_like_data_parallel(tmp_path:
     assert "world 4" in ep[0][2] and "expert-parallel degree 2" in ep[0][2]
     dp = run_trainer_pods(write_run(tmp_path, model_dir, nodes=4, packed=True), tmp_path / "dp", timeout=400)
     ep_storage, dp_storage = RunStorage(tmp_path / "ep"), RunStorage(tmp_path / "dp")
-    ep_weights, _ = assert_runs_agree(ep_storage, dp_storage, STEPS, tmp_path)
+    ep_weights = assert_runs_agree(ep_storage, dp_storage, STEPS, tmp_path)
     initial = load_file(model_dir / "model.safetensors")
     assert ep_weights.keys() == initial.keys()
     moved = {k for k in initial if ".experts." in k and (ep_weights[k] - initial[k]).abs().max() > 1e-4}
@@ -237,5 +236,5 @@ def test_expert_parallel_groups_with_replicas_train_like_data_parallel(tmp_path:
         pods = run_trainer_pods(write_run(tmp_path, model_dir, nodes=4, packed=True, max_steps=last, **extra),
                                 tmp_path / name, timeout=400, steps=last)
         assert f"steps {STEPS + 1}..{last}" in pods[0][2], pods[0][2][-2000:]
-    resumed, _ = assert_runs_agree(ep_storage, dp_storage, last, tmp_path)
+    resumed = assert_runs_agree(ep_storage, dp_storage, last, tmp_path)
     assert all((resumed[k] - ep_weights[k]).abs().max() > 1e-5 for k in initial if ".experts." in k)
