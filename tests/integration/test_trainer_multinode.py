@@ -132,6 +132,8 @@ def run_trainer_pods(path: Path, output_dir: Path, timeout: float = 240, steps: 
     codes = {name: proc.returncode for (name, _, _), proc in zip(results, procs)}
     for (name, _, log), proc in zip(results, procs):
         assert proc.returncode == 0, f"{name} exited {proc.returncode} (every pod: {codes}):\n{log[-3000:]}"
+        # every rank finished, destroyed its process groups and ended without the interpreter's finalization
+        assert "process groups destroyed; exiting" in log, f"{name}:\n{log[-3000:]}"
     return results
 
 
