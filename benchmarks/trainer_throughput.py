@@ -13,7 +13,7 @@ Printed per case: tokens/s (real tokens), MFU = tokens/s x (6 N + 6 L H D S) / p
 parameters, for a MoE model the ACTIVE ones (experts counted top_k / num_experts), L layers, H heads, D head
 dim, S the DOCUMENT length, peak 989 TFLOP/s dense bf16), step time, peak GPU memory, and the ratios to the
 compiled and the eager baseline. ``--json PATH`` writes every figure.
-rlrun cases are ``[lora-|fp8-]<layout>[c][a|s][n|r][g][k][#k]``: layout packed16, var16, packed64, split64 (64
+rlrun cases are ``[lora-|fp8-]<layout>[c][a|s][n|r][g][k][f][#k]``: layout packed16, var16, packed64, split64 (64
 documents in four micro-batches of 16) or single64; prefix
 ``lora-`` LoRA rank 16 (alpha 32) on q/k/v/o_proj, ``fp8-`` torchao float8 matmuls; suffix ``c`` compiled
 decoder layers (and head), ``a`` activation checkpointing of every layer, ``s`` of every second layer (the spec's
@@ -22,7 +22,9 @@ decoder layers (and head), ``a`` activation checkpointing of every layer, ``s`` 
 layer, ``g`` FSDP2 gathers the compute copies in every forward (before 2026-12-06 the only way; now they stay
 gathered between steps at world size 1, :mod:`rlrun_runtime.gathered_params`), ``k`` the LM head recomputes
 its logits in the backward (before 2026-12-07 the only way; now logits up to
-:data:`rlrun_runtime.logprobs.KEEP_LOGITS_BYTES` are kept from the forward); ``#k`` a repeat of the same case
+:data:`rlrun_runtime.logprobs.KEEP_LOGITS_BYTES` are kept from the forward), ``f`` FlexAttention even where the
+trainer would run varlen FlashAttention-4 (:mod:`rlrun_runtime.flash_attention`; before 2026-12-07 the only
+attention on GPU); ``#k`` a repeat of the same case
 (timing spread).
 
     python benchmarks/trainer_throughput.py                      # the H200 cases
@@ -183,8 +185,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def parse_case(case: str) -> dict[str, Any]:
-    """``[lora-|fp8-]<layout>[c][a|s][n|r][g][k][#k]`` -> layout, compile, checkpoint, wrap_fsdp, keep_gathered,
-    keep_logits, lora_rank, quantization.
+    """``[lora-|fp8-]<layout>[c][a|s][n|r][g][k][f][#k]`` -> layout, compile, checkpoint, wrap_fsdp, keep_gathered,
+    keep_logits, flash, lora_rank, quantization.
 
     Raises:
         ValueError: unknown prefix.
@@ -193,7 +195,7 @@ def parse_case(case: str) -> dict[str, Any]:
     prefix, _, name = name.rpartition("-")
     if prefix not in ("", "lora", "fp8"):
         raise ValueError(f"unknown case prefix {prefix!r}: use lora- or fp8-")
-    layout = name.rstrip("casnrgk")
+    layout = name.rstrip("casnrgkf")
     flags = name[len(layout):]
     from rlrun_runtime.trainer import ROOT_ONLY
 
@@ -204,7 +206,7 @@ def parse_case(case: str) -> dict[str, Any]:
         raise ValueError(f"case {case!r}: a (every layer) and s (every second layer) exclude each other")
     checkpoint: bool | str = "selective" if "s" in flags else "a" in flags
     return {"layout": layout, "compile": "c" in flags, "checkpoint": checkpoint, "wrap_fsdp": wrap,
-            "keep_gathered": False if "g" in flags else None, "keep_logits": "k" not in flags,
+            "keep_gathered": False if "g" in flags else None, "keep_logits": "k" not in flags, "flash": "f" not in flags,
             "lora_rank": 16 if prefix == "lora" else 0, "quantization": "fp8" if prefix == "fp8" else "none"}
 
 
@@ -212,12 +214,14 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
               checkpoint_layers: bool | str, device: torch.device, warmup: int, steps: int,
               profile: bool = False, wrap_fsdp: bool | str = True, lora_rank: int = 0,
               quantization: str = "none", keep_gathered: bool | None = None,
-              keep_logits: bool = True, cp: int = 1, ep: int = 1, checkpoint_interval: int = 2) -> dict[str, Any]:
+              keep_logits: bool = True, cp: int = 1, ep: int = 1, checkpoint_interval: int = 2,
+              flash: bool = True) -> dict[str, Any]:
     """rlrun's ``Trainer`` (FSDP2 at world size 1 unless ``wrap_fsdp`` is False, fp32 master weights, bf16
     compute on GPU) on ``samples``, with LoRA of ``lora_rank`` on :data:`LORA_TARGETS` (alpha 2 x rank) or
     ``quantization`` fp8; ``keep_logits`` False: the LM head recomputes its logits in the backward; ``cp``: the
     context-parallel degree over the torchrun world (every rank of a group runs its shard of each row);
-    ``checkpoint_interval``: the selective checkpointing's ``layerInterval`` (every n-th layer);
+    ``checkpoint_interval``: the selective checkpointing's ``layerInterval`` (every n-th layer); ``flash`` False:
+    FlexAttention for the packed rows even where varlen FlashAttention could run;
     ``profile``: one more step under torch.profiler, its top GPU kernels printed."""
     from rlrun_api.views import TrainerView
     from rlrun_runtime.storage import RunStorage
@@ -237,7 +241,7 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
         trainer = Trainer(cfg, RunStorage(storage_dir), str(model_dir), dist.get_rank(), dist.get_world_size(),
                           device, compile_layers=compile_layers,
                           checkpoint_layers=None if checkpoint_layers == "selective" else checkpoint_layers,
-                          wrap_fsdp=wrap_fsdp, keep_gathered=keep_gathered)
+                          wrap_fsdp=wrap_fsdp, keep_gathered=keep_gathered, flash=flash)
         if not keep_logits:
             from rlrun_runtime.logprobs import LogprobHead
 
@@ -369,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                                     profile=case == args.profile, wrap_fsdp=spec["wrap_fsdp"],
                                     lora_rank=spec["lora_rank"], quantization=spec["quantization"],
                                     keep_gathered=spec["keep_gathered"], keep_logits=spec["keep_logits"],
-                                    cp=args.cp, ep=args.ep, checkpoint_interval=args.checkpoint_interval)
+                                    cp=args.cp, ep=args.ep, checkpoint_interval=args.checkpoint_interval,
+                                    flash=spec["flash"])
                     seq_len = round(sum(lengths) / len(lengths))
                     out["mean_doc_len"] = seq_len
                 out["tokens_per_s"] = out["tokens"] / out["step_s"]

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .flash_attention import FLASH_VARLEN, get_cu_seqlens
+
 FLEX_ATTENTION = "flex_attention"
 # transformers attention-implementation names of :func:`rlrun_runtime.context_parallel.install_context_parallel`
 # (SDPA and FlexAttention behind a gather of the row's keys and values).
@@ -102,15 +104,24 @@ def get_model_inputs(mb: Any, device: torch.device, attn_implementation: str) ->
     """Keyword arguments of the model's forward for micro-batch ``mb`` (:class:`rlrun_runtime.packing.MicroBatch`).
 
     Padded micro-batches pass their 2-D ``attention_mask``; packed ones pass ``position_ids`` (restarting per
-    document) and the document mask: a ``BlockMask`` when the model runs FlexAttention, else the dense mask. A
-    context-parallel shard (``mb.kv_doc_ids`` set) gets the mask of its queries over the whole row's keys.
+    document) and the documents: their bounds (``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``) when the model
+    runs varlen FlashAttention (:mod:`rlrun_runtime.flash_attention`), else the document mask: a ``BlockMask``
+    when it runs FlexAttention, else the dense mask. A context-parallel shard (``mb.kv_doc_ids`` set) gets the
+    mask of its queries over the whole row's keys.
     """
     input_ids = mb.input_ids.to(device, non_blocking=True)
     if mb.doc_ids is None:
         return {"input_ids": input_ids, "attention_mask": mb.attention_mask.to(device, non_blocking=True)}
+    position_ids = mb.position_ids.to(device, non_blocking=True)
+    if attn_implementation == FLASH_VARLEN:
+        if mb.kv_doc_ids is not None:
+            raise ValueError(f"{FLASH_VARLEN} attention does not take context-parallel shards; use FlexAttention")
+        bounds, longest = get_cu_seqlens(mb.doc_ids)
+        bounds = bounds.to(device, non_blocking=True)
+        return {"input_ids": input_ids, "position_ids": position_ids, "cu_seq_lens_q": bounds,
+                "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}
     shard = [t if t is None else t.to(device, non_blocking=True)
              for t in (mb.kv_doc_ids, mb.query_positions, mb.key_positions)]
     build = get_block_document_mask if uses_flex_attention(attn_implementation) else get_dense_document_mask
     mask = build(mb.doc_ids.to(device, non_blocking=True), *shard)
-    return {"input_ids": input_ids, "position_ids": mb.position_ids.to(device, non_blocking=True),
-            "attention_mask": mask}
+    return {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": mask}

@@ -44,6 +44,8 @@ from .gathered_params import GatheredParams
 from .logprobs import LogprobHead, install_logprob_head
 from .moe import get_load_kwargs, prepare_moe_model, to_checkpoint_state_dict
 from .loss import LossMetrics, policy_loss_on_device, token_logprobs
+from .flash_attention import get_flash_unavailable_reason
+from .flash_attention import install as install_flash_attention
 from .packed_attention import FLEX_ATTENTION, get_model_inputs
 from .packing import (MicroBatch, count_loss_tokens, count_on_policy_tokens, get_micro_batches,
                       get_packed_micro_batches, sample_input_tokens)
@@ -418,10 +420,25 @@ def init_distributed(use_gpu: bool) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def get_attn_implementation(cfg: TrainerView, device: torch.device) -> str:
-    """transformers' attention for the trainer: FlexAttention for packed rows on GPU (document block masks),
-    else SDPA (an explicit block-diagonal mask for packed rows on CPU)."""
-    return FLEX_ATTENTION if cfg.micro_batch_tokens and device.type == "cuda" else "sdpa"
+def get_attn_implementation(cfg: TrainerView, device: torch.device, flash: bool = True) -> str:
+    """transformers' attention for the trainer. Packed rows on GPU: varlen FlashAttention-4
+    (:mod:`rlrun_runtime.flash_attention`) where it can run, without context parallelism and unless ``flash`` is
+    False (the benchmark's comparison), else FlexAttention (document block masks). On CPU, and for padded
+    micro-batches: SDPA (an explicit block-diagonal mask for packed rows)."""
+    if not cfg.micro_batch_tokens or device.type != "cuda":
+        return "sdpa"
+    if flash and cfg.cp == 1 and get_flash_unavailable_reason(device) is None:
+        return install_flash_attention()
+    return FLEX_ATTENTION
+
+
+def get_attn_note(attn: str, cfg: TrainerView, device: torch.device) -> str:
+    """One line for the trainer's log: the attention the model runs, and why not varlen FlashAttention."""
+    if attn != FLEX_ATTENTION:
+        return f"attention {attn}"
+    why = (f"context-parallel degree {cfg.cp}" if cfg.cp > 1
+           else get_flash_unavailable_reason(device) or "the caller asked for FlexAttention")
+    return f"attention {attn} (varlen FlashAttention not used: {why})"
 
 
 ROOT_ONLY = "root-only"  # shard_model's wrap_fsdp value for one FSDP unit, the root (world size 1; benchmark)
@@ -429,7 +446,7 @@ ROOT_ONLY = "root-only"  # shard_model's wrap_fsdp value for one FSDP unit, the 
 
 def build_model(model_path: str, cfg: TrainerView, device: torch.device, revision: str | None,
                 compile_layers: bool | None = None, checkpoint_layers: bool | None = None,
-                wrap_fsdp: bool | str = True) -> Any:
+                wrap_fsdp: bool | str = True, flash: bool = True) -> Any:
     """Load the HF causal LM in float32 (master weights) and shard it with FSDP2.
 
     A mixture-of-experts model (Qwen3-MoE) runs its experts through grouped GEMM and trains without the
@@ -444,7 +461,8 @@ def build_model(model_path: str, cfg: TrainerView, device: torch.device, revisio
     (:func:`shard_model`): LoRA adapters (``trainer.lora``), float8 matmuls (``trainer.quantization``),
     ``torch.compile`` of each decoder layer (``trainer.compile``), activation checkpointing
     (``trainer.activationCheckpointing``); ``compile_layers`` and ``checkpoint_layers`` (full), when given,
-    override the spec's two switches (the benchmark's cases).
+    override the spec's two switches (the benchmark's cases). The attention: :func:`get_attn_implementation`
+    (``flash`` False: FlexAttention for packed rows on GPU even where varlen FlashAttention could run).
 
     Raises:
         RoleConfigError: transformers cannot load ``model_path``; a MoE model without grouped GEMM; LoRA targets
@@ -455,7 +473,7 @@ def build_model(model_path: str, cfg: TrainerView, device: torch.device, revisio
     from .fp8 import check_quantization
 
     check_quantization(cfg.quantization, device)  # before minutes of loading (again in shard_model)
-    attn = get_attn_implementation(cfg, device)
+    attn = get_attn_implementation(cfg, device, flash)
     try:
         config = AutoConfig.from_pretrained(model_path, revision=revision)
         model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32,
@@ -593,13 +611,13 @@ class Trainer:
 
     def __init__(self, cfg: TrainerView, storage: RunStorage, model_path: str, rank: int, world: int,
                  device: torch.device, compile_layers: bool | None = None, checkpoint_layers: bool | None = None,
-                 wrap_fsdp: bool | str = True, keep_gathered: bool | None = None):
+                 wrap_fsdp: bool | str = True, keep_gathered: bool | None = None, flash: bool = True):
         self.cfg = cfg
         self.storage, self.rank, self.world, self.device = storage, rank, world, device
         self.transport = get_transport(self.cfg.weight_transport, storage)
         self.revision = self.cfg.model_revision
         self.model = build_model(model_path, self.cfg, device, self.revision, compile_layers, checkpoint_layers,
-                                 wrap_fsdp)
+                                 wrap_fsdp, flash)
         if self.cfg.cp > 1:  # the ranks of a context-parallel group gather each other's keys and values
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -733,7 +751,8 @@ class Trainer:
             lora = f"LoRA rank {self.cfg.lora_rank}" if self.cfg.lora_rank else "full fine-tuning"
             print(f"trainer: {lora}, {sum(p.numel() for p in self.params)} trainable parameters, compile "
                   f"{self.cfg.compile}, activation checkpointing {self.cfg.activation_checkpointing}, quantization "
-                  f"{self.cfg.quantization}", flush=True)
+                  f"{self.cfg.quantization}, {get_attn_note(self.model.config._attn_implementation, self.cfg, self.device)}",
+                  flush=True)
             for note in get_trainer_deprecations(self.cfg):
                 print(f"trainer: {note}", flush=True)
         for step in range(start, self.cfg.max_steps + 1):
