@@ -13,7 +13,7 @@ Printed per case: tokens/s (real tokens), MFU = tokens/s x (6 N + 6 L H D S) / p
 parameters, for a MoE model the ACTIVE ones (experts counted top_k / num_experts), L layers, H heads, D head
 dim, S the DOCUMENT length, peak 989 TFLOP/s dense bf16), step time, peak GPU memory, and the ratios to the
 compiled and the eager baseline. ``--json PATH`` writes every figure.
-rlrun cases are ``[lora-|fp8-]<layout>[c][a|s][n|r][g][k][f][#k]``: layout packed16, var16, packed64, split64 (64
+rlrun cases are ``[lora-|fp8-]<layout>[c][a|s][n|r][g][k][f][e][#k]``: layout packed16, var16, packed64, split64 (64
 documents in four micro-batches of 16) or single64; prefix
 ``lora-`` LoRA rank 16 (alpha 32) on q/k/v/o_proj, ``fp8-`` torchao float8 matmuls; suffix ``c`` compiled
 decoder layers (and head), ``a`` activation checkpointing of every layer, ``s`` of every second layer (the spec's
@@ -24,7 +24,8 @@ gathered between steps at world size 1, :mod:`rlrun_runtime.gathered_params`), `
 its logits in the backward (before 2026-12-07 the only way; now logits up to
 :data:`rlrun_runtime.logprobs.KEEP_LOGITS_BYTES` are kept from the forward), ``f`` FlexAttention even where the
 trainer would run varlen FlashAttention-4 (:mod:`rlrun_runtime.flash_attention`; before 2026-12-07 the only
-attention on GPU); ``#k`` a repeat of the same case
+attention on GPU), ``e`` the LM head's kept logits through the compiled chunk arithmetic instead of the Triton
+kernels (:mod:`rlrun_runtime.logprob_kernels`; before 2026-12-07 the only way); ``#k`` a repeat of the same case
 (timing spread).
 
     python benchmarks/trainer_throughput.py                      # the H200 cases
@@ -185,8 +186,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def parse_case(case: str) -> dict[str, Any]:
-    """``[lora-|fp8-]<layout>[c][a|s][n|r][g][k][f][#k]`` -> layout, compile, checkpoint, wrap_fsdp, keep_gathered,
-    keep_logits, flash, lora_rank, quantization.
+    """``[lora-|fp8-]<layout>[c][a|s][n|r][g][k][f][e][#k]`` -> layout, compile, checkpoint, wrap_fsdp, keep_gathered,
+    keep_logits, flash, kernels, lora_rank, quantization.
 
     Raises:
         ValueError: unknown prefix.
@@ -195,7 +196,7 @@ def parse_case(case: str) -> dict[str, Any]:
     prefix, _, name = name.rpartition("-")
     if prefix not in ("", "lora", "fp8"):
         raise ValueError(f"unknown case prefix {prefix!r}: use lora- or fp8-")
-    layout = name.rstrip("casnrgkf")
+    layout = name.rstrip("casnrgkfe")
     flags = name[len(layout):]
     from rlrun_runtime.trainer import ROOT_ONLY
 
@@ -206,7 +207,8 @@ def parse_case(case: str) -> dict[str, Any]:
         raise ValueError(f"case {case!r}: a (every layer) and s (every second layer) exclude each other")
     checkpoint: bool | str = "selective" if "s" in flags else "a" in flags
     return {"layout": layout, "compile": "c" in flags, "checkpoint": checkpoint, "wrap_fsdp": wrap,
-            "keep_gathered": False if "g" in flags else None, "keep_logits": "k" not in flags, "flash": "f" not in flags,
+            "keep_gathered": False if "g" in flags else None, "keep_logits": "k" not in flags,
+            "flash": "f" not in flags, "kernels": "e" not in flags,
             "lora_rank": 16 if prefix == "lora" else 0, "quantization": "fp8" if prefix == "fp8" else "none"}
 
 
@@ -215,13 +217,14 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
               profile: bool = False, wrap_fsdp: bool | str = True, lora_rank: int = 0,
               quantization: str = "none", keep_gathered: bool | None = None,
               keep_logits: bool = True, cp: int = 1, ep: int = 1, checkpoint_interval: int = 2,
-              flash: bool = True) -> dict[str, Any]:
+              flash: bool = True, kernels: bool = True) -> dict[str, Any]:
     """rlrun's ``Trainer`` (FSDP2 at world size 1 unless ``wrap_fsdp`` is False, fp32 master weights, bf16
     compute on GPU) on ``samples``, with LoRA of ``lora_rank`` on :data:`LORA_TARGETS` (alpha 2 x rank) or
     ``quantization`` fp8; ``keep_logits`` False: the LM head recomputes its logits in the backward; ``cp``: the
     context-parallel degree over the torchrun world (every rank of a group runs its shard of each row);
     ``checkpoint_interval``: the selective checkpointing's ``layerInterval`` (every n-th layer); ``flash`` False:
-    FlexAttention for the packed rows even where varlen FlashAttention could run;
+    FlexAttention for the packed rows even where varlen FlashAttention could run; ``kernels`` False: the LM head
+    without its Triton kernels;
     ``profile``: one more step under torch.profiler, its top GPU kernels printed."""
     from rlrun_api.views import TrainerView
     from rlrun_runtime.storage import RunStorage
@@ -242,13 +245,14 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
                           device, compile_layers=compile_layers,
                           checkpoint_layers=None if checkpoint_layers == "selective" else checkpoint_layers,
                           wrap_fsdp=wrap_fsdp, keep_gathered=keep_gathered, flash=flash)
-        if not keep_logits:
+        if not keep_logits or not kernels:
             from rlrun_runtime.logprobs import LogprobHead
 
             heads = [m for m in trainer.model.modules() if isinstance(m, LogprobHead)]
             assert heads, "no LogprobHead in the model"
             for head in heads:
-                head.keep_bytes = 0
+                head.keep_bytes = head.keep_bytes if keep_logits else 0
+                head.kernels = kernels
         batch = {"samples": samples}
         losses = []
 
@@ -374,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                                     lora_rank=spec["lora_rank"], quantization=spec["quantization"],
                                     keep_gathered=spec["keep_gathered"], keep_logits=spec["keep_logits"],
                                     cp=args.cp, ep=args.ep, checkpoint_interval=args.checkpoint_interval,
-                                    flash=spec["flash"])
+                                    flash=spec["flash"], kernels=spec["kernels"])
                     seq_len = round(sum(lengths) / len(lengths))
                     out["mean_doc_len"] = seq_len
                 out["tokens_per_s"] = out["tokens"] / out["step_s"]

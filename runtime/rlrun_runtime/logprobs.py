@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .logprob_kernels import kernels_usable, logits_to_grad_, token_logprobs_and_lse
+
 CHUNK_BYTES = 1 << 30  # float32 logits of one chunk: about 1 GiB
 # Logits kept for the backward up to this size: 16,384 tokens x 151,936 words in bf16 is 4.6 GiB, held from the
 # end of the forward to the head's backward (the peak of a step). Keeping them saves one [N, H] x [H, V] matrix
@@ -62,7 +64,8 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk: int, compiled: bool = False, keep_bytes: int = KEEP_LOGITS_BYTES) -> torch.Tensor:
+                chunk: int, compiled: bool = False, keep_bytes: int = KEEP_LOGITS_BYTES,
+                kernels: bool = True) -> torch.Tensor:
         count, dtype = hidden.shape[0], get_logit_dtype(weight.dtype)
         out = torch.empty(count, dtype=dtype, device=hidden.device)
         lse = torch.empty(count, dtype=dtype, device=hidden.device)
@@ -72,11 +75,16 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 kept = F.linear(hidden, weight)
             except torch.OutOfMemoryError:  # no room for all of them at this step's peak: recompute instead
                 kept = None
-        forward_chunk = _compiled(_forward_chunk) if compiled else _forward_chunk
-        for start in range(0, count, chunk):
-            end = min(count, start + chunk)
-            logits = kept[start:end] if kept is not None else F.linear(hidden[start:end], weight)
-            out[start:end], lse[start:end] = forward_chunk(logits, targets[start:end], temperature, dtype)
+        # kept logits on a GPU: the Triton kernels, one pass over all of them (same formulas, float32)
+        ctx.kernels = kernels and kept is not None and dtype == torch.float32 and kernels_usable(kept)
+        if ctx.kernels:
+            out, lse = token_logprobs_and_lse(kept, targets, temperature)
+        else:
+            forward_chunk = _compiled(_forward_chunk) if compiled else _forward_chunk
+            for start in range(0, count, chunk):
+                end = min(count, start + chunk)
+                logits = kept[start:end] if kept is not None else F.linear(hidden[start:end], weight)
+                out[start:end], lse[start:end] = forward_chunk(logits, targets[start:end], temperature, dtype)
         if kept is not None:
             ctx.save_for_backward(hidden, weight, targets, lse, kept)
         else:
@@ -110,7 +118,9 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         if kept is None:
             grad_hidden = torch.empty_like(hidden) if need_hidden else None
             grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
-        for start in range(0, hidden.shape[0], chunk):
+        if ctx.kernels:
+            logits_to_grad_(kept, targets, lse, grad_out, temperature)
+        for start in range(0, hidden.shape[0] if not ctx.kernels else 0, chunk):
             end = min(hidden.shape[0], start + chunk)
             logits = kept[start:end] if kept is not None else F.linear(hidden[start:end], weight)
             to_grad(logits, targets[start:end], lse[start:end], grad_out[start:end], temperature, dtype)
@@ -124,7 +134,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             grad_weight = kept.t() @ hidden if need_weight else None
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def _forward_chunk(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -165,11 +175,12 @@ def _compiled(fn: Any) -> Any:
 
 def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                            temperature: float = 1.0, chunk: int | None = None, compiled: bool = False,
-                           keep_bytes: int = KEEP_LOGITS_BYTES) -> torch.Tensor:
+                           keep_bytes: int = KEEP_LOGITS_BYTES, kernels: bool = True) -> torch.Tensor:
     """:class:`ChunkedTokenLogprobs` with ``chunk`` from :func:`get_chunk_tokens` when None; ``compiled`` runs
     each chunk's elementwise arithmetic through ``torch.compile`` (fused kernels; same formulas); logits of at
     most ``keep_bytes`` are kept for the backward (0: always recompute; never kept when no gradient is wanted:
-    grad mode off, or neither ``hidden`` nor ``weight`` requires one).
+    grad mode off, or neither ``hidden`` nor ``weight`` requires one); ``kernels``: kept logits on a GPU go
+    through :mod:`rlrun_runtime.logprob_kernels` (False: the chunk arithmetic, the benchmark's comparison).
 
     Raises:
         ValueError: ``temperature <= 0``, or mismatched shapes.
@@ -182,7 +193,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         keep_bytes = 0  # no backward will consume them: a chunk at a time bounds the peak
     return ChunkedTokenLogprobs.apply(hidden, weight, targets, float(temperature),
-                                      chunk or get_chunk_tokens(weight.shape[0]), compiled, keep_bytes)
+                                      chunk or get_chunk_tokens(weight.shape[0]), compiled, keep_bytes, kernels)
 
 
 class LogprobHead(torch.nn.Module):
@@ -191,7 +202,7 @@ class LogprobHead(torch.nn.Module):
     With ``request`` None it is the plain linear head (returns logits). With ``request = (positions, targets,
     temperature)`` set (``positions`` ``[N]`` int64 indices into the flattened ``[B * T]`` positions, ``targets``
     ``[N]``), its forward returns the ``[N]`` logprobs of :func:`chunked_token_logprobs` at those positions
-    (``keep_bytes``: its bound on logits kept for the backward).
+    (``keep_bytes``: its bound on logits kept for the backward; ``kernels``: its switch for the Triton kernels).
     """
 
     def __init__(self, head: torch.nn.Linear, chunk: int | None = None, compiled: bool = False,
@@ -200,7 +211,7 @@ class LogprobHead(torch.nn.Module):
         if getattr(head, "bias", None) is not None:
             raise ValueError("LogprobHead: an LM head with a bias is not supported")
         self.weight = head.weight
-        self.chunk, self.compiled, self.keep_bytes = chunk, compiled, keep_bytes
+        self.chunk, self.compiled, self.keep_bytes, self.kernels = chunk, compiled, keep_bytes, True
         self.request: tuple[torch.Tensor, torch.Tensor, float] | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -209,7 +220,7 @@ class LogprobHead(torch.nn.Module):
         positions, targets, temperature = self.request
         flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
         return chunked_token_logprobs(flat, self.weight, targets, temperature, self.chunk, self.compiled,
-                                      self.keep_bytes)
+                                      self.keep_bytes, self.kernels)
 
 
 def install_logprob_head(model: torch.nn.Module, chunk: int | None = None, compiled: bool = False,
