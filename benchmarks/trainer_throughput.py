@@ -331,8 +331,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", default=None,
                         help="keep the random model here (built when the directory has no config.json, else reused: "
                              "one process per case without rebuilding it)")
+    parser.add_argument("--flash-min-work", type=int, default=None,
+                        help="FLASH_MIN_CAUSAL_WORK for the run (0: FlashAttention-4 for every packed micro-batch, "
+                             "where the trainer runs it)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.flash_min_work is not None:
+        import rlrun_runtime.flash_attention as flash_module
+
+        flash_module.FLASH_MIN_CAUSAL_WORK = args.flash_min_work
     shape = SHAPES[args.shape]
     if args.layers:
         shape = {**shape, "num_hidden_layers": args.layers}

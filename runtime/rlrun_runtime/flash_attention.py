@@ -1,10 +1,11 @@
 """Varlen FlashAttention for packed rows on Hopper and Blackwell GPUs: FlashAttention-4's CuTe DSL kernels
 (PyPI ``flash-attn-4``, module ``flash_attn.cute``) behind two torch custom ops, so compiled decoder layers keep
 them as single graph nodes, and a transformers attention function that reads each document's bounds
-(``cu_seq_lens_q``) instead of a mask.
+(``cu_seq_lens_q``) instead of a mask, or runs FlexAttention when it gets a ``BlockMask`` instead.
 
-Optional: the trainer uses it when :func:`get_flash_unavailable_reason` returns None, else FlexAttention
-(:mod:`rlrun_runtime.packed_attention`).
+Optional: the trainer uses it when :func:`get_flash_unavailable_reason` returns None; per micro-batch
+(:func:`rlrun_runtime.packed_attention.get_model_inputs`) FlashAttention-4 takes rows of much causal work and
+FlexAttention the rest (:data:`FLASH_MIN_CAUSAL_WORK`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from typing import Any
 
 import torch
 
-FLASH_VARLEN = "rlrun_flash_varlen"  # the transformers attention-implementation name registered by install()
+# The transformers attention-implementation name registered by install(). Without "flash" in it: transformers
+# 5.17 takes such names for hub kernels and fails to load the model (H100, 2026-12-07).
+FLASH_VARLEN = "rlrun_varlen_attention"
+# FlashAttention-4 for a micro-batch whose causal work, the sum of its segments' squared lengths, reaches this;
+# FlexAttention below. One layer's attention forward+backward (benchmarks/varlen_attention_check.py, 16 query
+# heads of 128 over 8 KV heads, bf16, H100, 2026-12-07), FlashAttention-4 against FlexAttention: 16 x 1024 tokens
+# (16.8M) 0.92x, 16 of 512-1024 (8.5M) 0.64x, 64 x 1024 (67M) 1.15x, one of 65,536 (4.3G) 1.57x.
+FLASH_MIN_CAUSAL_WORK = 1 << 25
 # FlashAttention-4 4.0.0b36 runs its CuTe DSL kernels on these compute capabilities (interface.py's arch checks:
 # SM90 forward and backward, SM100/SM110 forward and backward).
 FLASH_MAJORS = (9, 10, 11)
@@ -53,6 +61,11 @@ def get_cu_seqlens(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     bounds = torch.cat([starts.reshape(-1).nonzero().squeeze(1), torch.tensor([rows * length])])
     return bounds.to(torch.int32), int(bounds.diff().max())
+
+
+def get_causal_work(cu_seqlens: torch.Tensor) -> int:
+    """Sum of the segments' squared lengths (proportional to causal attention's FLOPs) of ``cu_seqlens``."""
+    return int((cu_seqlens.diff().long() ** 2).sum())
 
 
 @torch.library.custom_op("rlrun::flash_varlen_fwd", mutates_args=(), device_types="cuda")
@@ -113,15 +126,21 @@ def flash_varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, 
                            **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers attention function (``AttentionInterface``): ``query`` ``[B, H, T, D]``, ``key``/``value``
     ``[B, H_kv, T, D]``; returns ``([B, T, H, D], None)``. The documents come as ``cu_seq_lens_q`` (int32, over
-    the ``B * T`` flattened positions) and ``max_length_q`` (:func:`get_cu_seqlens`); ``attention_mask`` is
-    ignored (None: the attention implementation has no mask function).
+    the ``B * T`` flattened positions) and ``max_length_q`` (:func:`get_cu_seqlens`), and ``attention_mask`` is
+    None; or ``attention_mask`` is a FlexAttention ``BlockMask``, and transformers' FlexAttention runs.
 
     Raises:
-        ValueError: no ``cu_seq_lens_q`` / ``max_length_q`` (a padded micro-batch); dropout, a sliding window
-            or a softcap (models the trainer then runs with FlexAttention).
+        ValueError: neither a ``BlockMask`` nor ``cu_seq_lens_q`` / ``max_length_q`` (a padded micro-batch);
+            dropout, a sliding window or a softcap with ``cu_seq_lens_q``.
     """
     if cu_seq_lens_q is None or max_length_q is None:
-        raise ValueError(f"{FLASH_VARLEN} attention needs packed rows (cu_seq_lens_q and max_length_q)")
+        if type(attention_mask).__name__ == "BlockMask":
+            from transformers.integrations.flex_attention import flex_attention_forward
+
+            return flex_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                          dropout=dropout, **kwargs)
+        raise ValueError(f"{FLASH_VARLEN} attention needs packed rows (a BlockMask, or cu_seq_lens_q and "
+                         "max_length_q)")
     if dropout or kwargs.get("sliding_window") or kwargs.get("softcap"):
         raise ValueError(f"{FLASH_VARLEN} attention has no dropout, sliding window or softcap (got {dropout}, "
                          f"{kwargs.get('sliding_window')}, {kwargs.get('softcap')})")

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from .flash_attention import FLASH_VARLEN, get_cu_seqlens
+from . import flash_attention
+from .flash_attention import FLASH_VARLEN, get_causal_work, get_cu_seqlens
 
 FLEX_ATTENTION = "flex_attention"
 # transformers attention-implementation names of :func:`rlrun_runtime.context_parallel.install_context_parallel`
@@ -96,8 +97,9 @@ def _get_compiled_create_block_mask() -> Any:
 
 
 def uses_flex_attention(attn_implementation: str) -> bool:
-    """Whether the transformers ``attn_implementation`` runs FlexAttention (and so takes a ``BlockMask``)."""
-    return attn_implementation in (FLEX_ATTENTION, CP_FLEX_ATTENTION)
+    """Whether the transformers ``attn_implementation`` runs FlexAttention (and so takes a ``BlockMask``; the
+    varlen one for rows below :data:`rlrun_runtime.flash_attention.FLASH_MIN_CAUSAL_WORK`)."""
+    return attn_implementation in (FLEX_ATTENTION, CP_FLEX_ATTENTION, FLASH_VARLEN)
 
 
 def get_model_inputs(mb: Any, device: torch.device, attn_implementation: str) -> dict[str, Any]:
@@ -105,8 +107,9 @@ def get_model_inputs(mb: Any, device: torch.device, attn_implementation: str) ->
 
     Padded micro-batches pass their 2-D ``attention_mask``; packed ones pass ``position_ids`` (restarting per
     document) and the documents: their bounds (``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``) when the model
-    runs varlen FlashAttention (:mod:`rlrun_runtime.flash_attention`), else the document mask: a ``BlockMask``
-    when it runs FlexAttention, else the dense mask. A context-parallel shard (``mb.kv_doc_ids`` set) gets the
+    runs varlen FlashAttention (:mod:`rlrun_runtime.flash_attention`) and the rows hold at least
+    ``FLASH_MIN_CAUSAL_WORK`` of causal work, else the document mask: a ``BlockMask`` when it runs FlexAttention
+    (or varlen FlashAttention, for less work), else the dense mask. A context-parallel shard (``mb.kv_doc_ids`` set) gets the
     mask of its queries over the whole row's keys.
     """
     input_ids = mb.input_ids.to(device, non_blocking=True)
@@ -117,9 +120,10 @@ def get_model_inputs(mb: Any, device: torch.device, attn_implementation: str) ->
         if mb.kv_doc_ids is not None:
             raise ValueError(f"{FLASH_VARLEN} attention does not take context-parallel shards; use FlexAttention")
         bounds, longest = get_cu_seqlens(mb.doc_ids)
-        bounds = bounds.to(device, non_blocking=True)
-        return {"input_ids": input_ids, "position_ids": position_ids, "cu_seq_lens_q": bounds,
-                "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}
+        if get_causal_work(bounds) >= flash_attention.FLASH_MIN_CAUSAL_WORK:
+            bounds = bounds.to(device, non_blocking=True)
+            return {"input_ids": input_ids, "position_ids": position_ids, "cu_seq_lens_q": bounds,
+                    "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}
     shard = [t if t is None else t.to(device, non_blocking=True)
              for t in (mb.kv_doc_ids, mb.query_positions, mb.key_positions)]
     build = get_block_document_mask if uses_flex_attention(attn_implementation) else get_dense_document_mask

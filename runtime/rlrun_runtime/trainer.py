@@ -44,7 +44,8 @@ from .gathered_params import GatheredParams
 from .logprobs import LogprobHead, install_logprob_head
 from .moe import get_load_kwargs, prepare_moe_model, to_checkpoint_state_dict
 from .loss import LossMetrics, policy_loss_on_device, token_logprobs
-from .flash_attention import get_flash_unavailable_reason
+from . import flash_attention
+from .flash_attention import FLASH_VARLEN, get_flash_unavailable_reason
 from .flash_attention import install as install_flash_attention
 from .packed_attention import FLEX_ATTENTION, get_model_inputs
 from .packing import (MicroBatch, count_loss_tokens, count_on_policy_tokens, get_micro_batches,
@@ -434,6 +435,10 @@ def get_attn_implementation(cfg: TrainerView, device: torch.device, flash: bool 
 
 def get_attn_note(attn: str, cfg: TrainerView, device: torch.device) -> str:
     """One line for the trainer's log: the attention the model runs, and why not varlen FlashAttention."""
+    if attn == FLASH_VARLEN:
+        return (f"attention {attn} (FlashAttention-4 for micro-batches of at least "
+                f"{flash_attention.FLASH_MIN_CAUSAL_WORK} causal work, the sum of squared document lengths; "
+                "FlexAttention below)")
     if attn != FLEX_ATTENTION:
         return f"attention {attn}"
     why = (f"context-parallel degree {cfg.cp}" if cfg.cp > 1
@@ -547,7 +552,7 @@ def shard_model(model: Any, cfg: TrainerView, device: torch.device, compile_laye
                                                    len(layers)))
     else:
         checkpointed = set(range(len(layers))) if checkpoint_layers else set()
-    if compile_layers or model.config._attn_implementation == FLEX_ATTENTION:
+    if compile_layers or model.config._attn_implementation in (FLEX_ATTENTION, FLASH_VARLEN):
         from torch import _dynamo
 
         # One compiled kernel per packed row length (GPU_ROW_MULTIPLE steps up to microBatchTokens).

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from rlrun_api.views import TrainerView
+from rlrun_runtime import flash_attention
 from rlrun_runtime.flash_attention import (
     FLASH_VARLEN,
     flash_varlen_attention,
+    get_causal_work,
     get_cu_seqlens,
     get_flash_unavailable_reason,
     install,
@@ -101,7 +103,19 @@ def _samples():
                             ([3, 4], [20, 21, 22, 23, 24, 25], 1.5))]
 
 
-def test_model_inputs_carry_document_bounds_and_no_mask():
+@pytest.fixture
+def flash_always(monkeypatch):
+    """Every packed micro-batch through the varlen kernel (the tests' rows hold far less causal work than
+    FLASH_MIN_CAUSAL_WORK)."""
+    monkeypatch.setattr(flash_attention, "FLASH_MIN_CAUSAL_WORK", 0)
+
+
+def test_causal_work_is_the_sum_of_squared_segment_lengths():
+    assert get_causal_work(torch.tensor([0, 3, 5, 6, 8], dtype=torch.int32)) == 9 + 4 + 1 + 4
+    assert get_causal_work(torch.tensor([0, 65536], dtype=torch.int32)) == 1 << 32  # no int32 overflow
+
+
+def test_model_inputs_carry_document_bounds_and_no_mask(flash_always):
     mb = get_packed_micro_batch(_samples(), pad_multiple=16)
     inputs = get_model_inputs(mb, torch.device("cpu"), FLASH_VARLEN)
     assert "attention_mask" not in inputs
@@ -118,7 +132,7 @@ def test_model_inputs_carry_document_bounds_and_no_mask():
 
 
 @pytest.mark.timeout(120)
-def test_qwen3_through_the_varlen_ops_equals_sdpa_with_the_dense_mask(cpu_kernels):
+def test_qwen3_through_the_varlen_ops_equals_sdpa_with_the_dense_mask(cpu_kernels, flash_always):
     """Trainer logprobs and every parameter's gradient of a packed row (4 documents and a padding tail, 2 query
     heads over 1 KV head) through :func:`flash_varlen_attention` equal the SDPA path's within float32 rounding;
     a row whose bounds merge two documents does not (the check can fail)."""
@@ -151,6 +165,33 @@ def test_qwen3_through_the_varlen_ops_equals_sdpa_with_the_dense_mask(cpu_kernel
     assert not torch.allclose(leaky[mb.doc_ids == 1], want_lp[mb.doc_ids == 1], atol=1e-3)
 
 
+@pytest.mark.timeout(300)
+def test_rows_of_little_causal_work_take_flex_attention_with_a_block_mask(cpu_kernels):
+    """Below FLASH_MIN_CAUSAL_WORK the varlen implementation gets a BlockMask and runs transformers' FlexAttention
+    (forward only: FlexAttention has no backward on CPU); its logprobs equal SDPA's with the dense mask."""
+    from rlrun_runtime.trainer import get_micro_batch_logprobs
+
+    mb = get_packed_micro_batch(_samples(), pad_multiple=16)
+    inputs = get_model_inputs(mb, torch.device("cpu"), FLASH_VARLEN)
+    assert type(inputs["attention_mask"]).__name__ == "BlockMask" and "cu_seq_lens_q" not in inputs
+    sdpa, flash = make_model(seed=4), make_model(seed=4)
+    flash.config._attn_implementation = install()
+    with torch.no_grad():
+        want, got = (get_micro_batch_logprobs(m, mb, 1.0, torch.device("cpu")) for m in (sdpa, flash))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert want[mb.loss_mask].abs().min() > 0.01
+
+
+def test_a_model_directory_loads_with_the_varlen_attention(tmp_path):
+    """transformers accepts the registered name at load (5.17 takes names with "flash" in them for hub kernels)."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny_qwen3 import save_model_dir
+
+    model = AutoModelForCausalLM.from_pretrained(save_model_dir(tmp_path / "m"), attn_implementation=install())
+    assert model.config._attn_implementation == FLASH_VARLEN
+
+
 def test_the_ops_trace_whole_into_a_compiled_graph_forward_and_backward(cpu_kernels):
     """``torch.compile(fullgraph=True)`` (no graph break) through the custom ops' fake kernels and their
     autograd: the compiled output and gradients equal eager, 4 query heads over 2 KV heads."""
@@ -178,7 +219,7 @@ def test_the_ops_trace_whole_into_a_compiled_graph_forward_and_backward(cpu_kern
 
 def test_flash_varlen_attention_refuses_padded_batches_and_dropout():
     q = torch.zeros(1, 2, 4, 8)
-    with pytest.raises(ValueError, match="needs packed rows"):
+    with pytest.raises(ValueError, match="needs packed rows .a BlockMask, or cu_seq_lens_q"):
         flash_varlen_attention(None, q, q, q, None)
     with pytest.raises(ValueError, match="no dropout, sliding window or softcap"):
         flash_varlen_attention(None, q, q, q, None, dropout=0.1, cu_seq_lens_q=torch.tensor([0, 4]),
@@ -201,7 +242,7 @@ def test_the_trainer_picks_varlen_flash_attention_where_it_runs(monkeypatch):
     assert get_flash_unavailable_reason(cpu) == "device cpu is not a CUDA GPU"
     monkeypatch.setattr(trainer, "get_flash_unavailable_reason", lambda device: None)
     assert trainer.get_attn_implementation(_view(), gpu) == FLASH_VARLEN
-    assert trainer.get_attn_note(FLASH_VARLEN, _view(), gpu) == f"attention {FLASH_VARLEN}"
+    assert "FlashAttention-4 for micro-batches of at least 33554432" in trainer.get_attn_note(FLASH_VARLEN, _view(), gpu)
     assert trainer.get_attn_implementation(_view(), gpu, flash=False) == FLEX_ATTENTION
     assert trainer.get_attn_implementation(_view(cp=2), gpu) == FLEX_ATTENTION
     assert "context-parallel degree 2" in trainer.get_attn_note(FLEX_ATTENTION, _view(cp=2), gpu)
