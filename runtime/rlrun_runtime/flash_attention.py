@@ -36,10 +36,24 @@ def get_flash_unavailable_reason(device: torch.device) -> str | None:
     if major not in FLASH_MAJORS:
         return f"compute capability {major}.{minor} is not Hopper or Blackwell (9.x-11.x)"
     try:
-        import flash_attn.cute.interface  # noqa: F401
+        _get_interface()
     except Exception as exc:  # ImportError, or the CUTLASS DSL failing to load its libraries
         return f"flash_attn.cute (PyPI flash-attn-4) does not import: {type(exc).__name__}: {exc}"
     return None
+
+
+def _get_interface() -> Any:
+    """FlashAttention-4's ``flash_attn.cute.interface`` module (its ``_flash_attn_fwd`` / ``_bwd``; measured with
+    flash-attn-4 4.0.0b36, whose private functions these are).
+
+    Raises:
+        RuntimeError: PyPI flash-attn-4 is not installed.
+    """
+    try:
+        from flash_attn.cute import interface
+    except ImportError as exc:
+        raise RuntimeError(f"varlen FlashAttention needs PyPI flash-attn-4: {exc}") from exc
+    return interface
 
 
 def get_cu_seqlens(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -74,11 +88,9 @@ def flash_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """Causal attention within each segment of ``cu_seqlens``: ``q`` ``[N, H, D]``, ``k``/``v`` ``[N, H_kv, D]``
     (``H`` a multiple of ``H_kv``; bf16/fp16), ``cu_seqlens`` int32 ``[S + 1]`` on the same device. Returns
     ``out`` ``[N, H, D]`` and the log-sum-exp ``[H, N]`` (float32) the backward needs."""
-    from flash_attn.cute.interface import _flash_attn_fwd
-
-    out, lse, *_ = _flash_attn_fwd(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                   max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale,
-                                   causal=True, return_lse=True)
+    out, lse, *_ = _get_interface()._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                                    max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+                                                    softmax_scale=scale, causal=True, return_lse=True)
     return out, lse
 
 
@@ -92,10 +104,9 @@ def flash_varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                      out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`flash_varlen_fwd` (shapes of ``q``, ``k``, ``v``)."""
-    from flash_attn.cute.interface import _flash_attn_bwd
-
-    dq, dk, dv = _flash_attn_bwd(q, k, v, out, grad_out, lse, scale, True, cu_seqlens_q=cu_seqlens,
-                                 cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+    dq, dk, dv = _get_interface()._flash_attn_bwd(q, k, v, out, grad_out, lse, scale, True,
+                                                  cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                                  max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
     return dq, dk, dv
 
 

@@ -20,8 +20,11 @@ GRAD_BLOCK = 4096  # columns per program of the gradient
 
 @functools.cache
 def _get_kernels():
-    import triton
-    import triton.language as tl
+    try:  # torch's CUDA builds install Triton; kernels_usable() is False without it
+        import triton
+        import triton.language as tl
+    except ImportError as exc:
+        raise RuntimeError(f"the LM head's kernels need Triton: {exc}") from exc
 
     @triton.jit
     def lse_kernel(logits, stride, targets, logprobs, lses, vocab, temperature, BLOCK: tl.constexpr):

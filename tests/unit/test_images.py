@@ -36,6 +36,9 @@ OPTIONAL_IMPORTS = {
     "wandb": "pyproject's tracking extra, for spec.tracking.wandb only; the orchestrator exits 2 naming the extra",
     "tensorboardX": "pyproject's tracking extra, for spec.tracking.tensorboard only; the orchestrator exits 2 naming it",
     "torchao": "pyproject's gpu extra, for spec.trainer.quantization: fp8 only (GPU); the trainer exits 2 naming it",
+    "triton": "installed with torch's CUDA build; the LM head's Triton kernels on GPU, the chunk arithmetic without",
+    "flash_attn": "PyPI flash-attn-4, installed by the user (not in the image yet): the trainer runs varlen "
+                  "FlashAttention-4 on Hopper/Blackwell GPUs where it imports, FlexAttention otherwise",
 }
 # What runtime/Dockerfile builds from source and installs as wheels (distribution names), besides the
 # `nixl` dispatcher it installs by name.
