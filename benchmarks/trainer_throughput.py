@@ -24,9 +24,9 @@ gathered between steps at world size 1, :mod:`rlrun_runtime.gathered_params`), `
 its logits in the backward (before 2026-12-07 the only way; now logits up to
 :data:`rlrun_runtime.logprobs.KEEP_LOGITS_BYTES` are kept from the forward), ``f`` FlexAttention even where the
 trainer would run varlen FlashAttention-4 (:mod:`rlrun_runtime.flash_attention`; before 2026-12-07 the only
-attention on GPU), ``e`` the LM head's kept logits through the compiled chunk arithmetic instead of the Triton
-kernels (:mod:`rlrun_runtime.logprob_kernels`; before 2026-12-07 the only way); ``#k`` a repeat of the same case
-(timing spread).
+attention on GPU), ``e`` the LM head's kept logits through the chunk arithmetic (compiled with ``c``) instead
+of the Triton kernels (:mod:`rlrun_runtime.logprob_kernels`; before 2026-12-07 the only way); ``#k`` a repeat
+of the same case (timing spread).
 
     python benchmarks/trainer_throughput.py                      # the H200 cases
     python benchmarks/trainer_throughput.py --shape tiny --device cpu --cases packed16,var16 --steps 2

@@ -16,25 +16,50 @@ from typing import Any
 import torch
 
 # The transformers attention-implementation name registered by install(). Without "flash" in it: transformers
-# 5.17 takes such names for hub kernels and fails to load the model (H100, 2026-12-07).
+# takes any such name for a FlashAttention request and fails to load the model (5.17, H100, 2026-12-07).
 FLASH_VARLEN = "rlrun_varlen_attention"
 # FlashAttention-4 for a micro-batch whose causal work, the sum of its segments' squared lengths, reaches this;
 # FlexAttention below. One layer's attention forward+backward (benchmarks/varlen_attention_check.py, 16 query
 # heads of 128 over 8 KV heads, bf16, H100, 2026-12-07), FlashAttention-4 against FlexAttention: 16 x 1024 tokens
 # (16.8M) 0.92x, 16 of 512-1024 (8.5M) 0.64x, 64 x 1024 (67M) 1.15x, one of 65,536 (4.3G) 1.57x.
 FLASH_MIN_CAUSAL_WORK = 1 << 25
+# The version whose private _flash_attn_fwd / _flash_attn_bwd this module calls (measured above); another
+# version is not used (get_flash_unavailable_reason), since private signatures may change.
+FLASH_ATTN_VERSION = "4.0.0b36"
+# Bound passed as max_seqlen: the longest segment rounded up to a power of two, at least this, so compiled layers
+# see few distinct values (each is a compiled variant); FlashAttention-4 only sizes its grid by it.
+MIN_LENGTH_BOUND = 1024
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
 # FlashAttention-4 4.0.0b36 runs its CuTe DSL kernels on these compute capabilities (interface.py's arch checks:
 # SM90 forward and backward, SM100/SM110 forward and backward).
 FLASH_MAJORS = (9, 10, 11)
 
 
-def get_flash_unavailable_reason(device: torch.device) -> str | None:
-    """None when varlen FlashAttention can run on ``device``, else why not (one line, for logs)."""
+def get_flash_unavailable_reason(device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                                 model_config: Any = None) -> str | None:
+    """None when varlen FlashAttention can run on ``device`` with compute ``dtype`` for a model of
+    ``model_config`` (a transformers config, optional), else why not (one line, for logs)."""
     if device.type != "cuda":
         return f"device {device.type} is not a CUDA GPU"
+    if dtype not in FLASH_DTYPES:
+        return f"compute dtype {dtype} is not bfloat16 or float16"
+    for name in ("use_sliding_window", "attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(model_config, name, None):
+            return f"the model config sets {name}"
+    head_dim = getattr(model_config, "head_dim", None)
+    if isinstance(head_dim, int) and not (8 <= head_dim <= 256 and head_dim % 8 == 0):
+        return f"head_dim {head_dim} is outside FlashAttention-4's 8-256 (multiples of 8)"
     major, minor = torch.cuda.get_device_capability(device)
     if major not in FLASH_MAJORS:
         return f"compute capability {major}.{minor} is not Hopper or Blackwell (9.x-11.x)"
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("flash-attn-4")
+    except PackageNotFoundError:
+        return "PyPI flash-attn-4 is not installed"
+    if found != FLASH_ATTN_VERSION:
+        return f"flash-attn-4 {found} is installed; rlrun calls the private functions of {FLASH_ATTN_VERSION}"
     try:
         _get_interface()
     except Exception as exc:  # ImportError, or the CUTLASS DSL failing to load its libraries
@@ -77,6 +102,12 @@ def get_cu_seqlens(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return bounds.to(torch.int32), int(bounds.diff().max())
 
 
+def get_length_bound(longest: int) -> int:
+    """The ``max_seqlen`` bound passed for a longest segment of ``longest`` tokens: the next power of two, at least
+    :data:`MIN_LENGTH_BOUND`."""
+    return max(MIN_LENGTH_BOUND, 1 << max(0, longest - 1).bit_length())
+
+
 def get_causal_work(cu_seqlens: torch.Tensor) -> int:
     """Sum of the segments' squared lengths (proportional to causal attention's FLOPs) of ``cu_seqlens``."""
     return int((cu_seqlens.diff().long() ** 2).sum())
@@ -86,8 +117,10 @@ def get_causal_work(cu_seqlens: torch.Tensor) -> int:
 def flash_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                      max_seqlen: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention within each segment of ``cu_seqlens``: ``q`` ``[N, H, D]``, ``k``/``v`` ``[N, H_kv, D]``
-    (``H`` a multiple of ``H_kv``; bf16/fp16), ``cu_seqlens`` int32 ``[S + 1]`` on the same device. Returns
-    ``out`` ``[N, H, D]`` and the log-sum-exp ``[H, N]`` (float32) the backward needs."""
+    (``H`` a multiple of ``H_kv``; all bf16 or all fp16, else FlashAttention-4 raises AssertionError),
+    ``cu_seqlens`` int32 ``[S + 1]`` on the same device, ``max_seqlen`` at least the longest segment. Returns
+    ``out`` ``[N, H, D]`` and the log-sum-exp ``[H, N]`` (float32) the backward needs. The backward is not
+    bitwise deterministic (FlashAttention-4 accumulates dq with atomics)."""
     out, lse, *_ = _get_interface()._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                                     max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
                                                     softmax_scale=scale, causal=True, return_lse=True)

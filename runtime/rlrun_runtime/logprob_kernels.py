@@ -81,13 +81,14 @@ def kernels_usable(logits: torch.Tensor) -> bool:
 
 def token_logprobs_and_lse(logits: torch.Tensor, targets: torch.Tensor,
                            temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logprobs, lse)``, float32 ``[N]`` each, of ``logits`` ``[N, V]`` at ``targets`` ``[N]`` (int64)."""
+    """``(logprobs, lse)``, float32 ``[N]`` each, of ``logits`` ``[N, V]`` at ``targets`` ``[N]`` (int64, on the
+    logits' device, each in ``[0, V)``: unlike ``gather``, the kernel does not check the range)."""
     count, vocab = logits.shape
     logprobs = torch.empty(count, dtype=torch.float32, device=logits.device)
     lse = torch.empty(count, dtype=torch.float32, device=logits.device)
     if count:
         lse_kernel, _ = _get_kernels()
-        lse_kernel[(count,)](logits, logits.stride(0), targets, logprobs, lse, vocab, float(temperature),
+        lse_kernel[(count,)](logits, logits.stride(0), targets.contiguous(), logprobs, lse, vocab, float(temperature),
                              BLOCK=FORWARD_BLOCK, num_warps=8)
     return logprobs, lse
 
@@ -100,5 +101,5 @@ def logits_to_grad_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tens
     if count:
         _, grad_kernel = _get_kernels()
         grid = (count, (vocab + GRAD_BLOCK - 1) // GRAD_BLOCK)
-        grad_kernel[grid](logits, logits.stride(0), targets, lse, grad_out.contiguous(), vocab, float(temperature),
-                          BLOCK=GRAD_BLOCK, num_warps=8)
+        grad_kernel[grid](logits, logits.stride(0), targets.contiguous(), lse.contiguous(), grad_out.contiguous(),
+                          vocab, float(temperature), BLOCK=GRAD_BLOCK, num_warps=8)

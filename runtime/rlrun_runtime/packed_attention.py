@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from . import flash_attention
-from .flash_attention import FLASH_VARLEN, get_causal_work, get_cu_seqlens
+from .flash_attention import FLASH_VARLEN, get_causal_work, get_cu_seqlens, get_length_bound
 
 FLEX_ATTENTION = "flex_attention"
 # transformers attention-implementation names of :func:`rlrun_runtime.context_parallel.install_context_parallel`
@@ -108,9 +108,13 @@ def get_model_inputs(mb: Any, device: torch.device, attn_implementation: str) ->
     Padded micro-batches pass their 2-D ``attention_mask``; packed ones pass ``position_ids`` (restarting per
     document) and the documents: their bounds (``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``) when the model
     runs varlen FlashAttention (:mod:`rlrun_runtime.flash_attention`) and the rows hold at least
-    ``FLASH_MIN_CAUSAL_WORK`` of causal work, else the document mask: a ``BlockMask`` when it runs FlexAttention
-    (or varlen FlashAttention, for less work), else the dense mask. A context-parallel shard (``mb.kv_doc_ids`` set) gets the
-    mask of its queries over the whole row's keys.
+    ``FLASH_MIN_CAUSAL_WORK`` of causal work (the length bound rounded up: :func:`get_length_bound`), else the
+    document mask: a ``BlockMask`` when it runs FlexAttention (or varlen FlashAttention, for less work), else the
+    dense mask. A context-parallel shard (``mb.kv_doc_ids`` set) gets the mask of its queries over the whole
+    row's keys.
+
+    Raises:
+        ValueError: a context-parallel shard for the varlen FlashAttention implementation.
     """
     input_ids = mb.input_ids.to(device, non_blocking=True)
     if mb.doc_ids is None:
@@ -122,8 +126,11 @@ def get_model_inputs(mb: Any, device: torch.device, attn_implementation: str) ->
         bounds, longest = get_cu_seqlens(mb.doc_ids)
         if get_causal_work(bounds) >= flash_attention.FLASH_MIN_CAUSAL_WORK:
             bounds = bounds.to(device, non_blocking=True)
+            # one compiled layer for every document count (dynamic), and a power-of-two length bound
+            torch._dynamo.mark_dynamic(bounds, 0)
+            bound = get_length_bound(longest)
             return {"input_ids": input_ids, "position_ids": position_ids, "cu_seq_lens_q": bounds,
-                    "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}
+                    "cu_seq_lens_k": bounds, "max_length_q": bound, "max_length_k": bound}
     shard = [t if t is None else t.to(device, non_blocking=True)
              for t in (mb.kv_doc_ids, mb.query_positions, mb.key_positions)]
     build = get_block_document_mask if uses_flex_attention(attn_implementation) else get_dense_document_mask

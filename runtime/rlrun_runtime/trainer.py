@@ -421,19 +421,22 @@ def init_distributed(use_gpu: bool) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def get_attn_implementation(cfg: TrainerView, device: torch.device, flash: bool = True) -> str:
+def get_attn_implementation(cfg: TrainerView, device: torch.device, flash: bool = True,
+                            dtype: torch.dtype = torch.bfloat16, model_config: Any = None) -> str:
     """transformers' attention for the trainer. Packed rows on GPU: varlen FlashAttention-4
-    (:mod:`rlrun_runtime.flash_attention`) where it can run, without context parallelism and unless ``flash`` is
-    False (the benchmark's comparison), else FlexAttention (document block masks). On CPU, and for padded
-    micro-batches: SDPA (an explicit block-diagonal mask for packed rows)."""
+    (:mod:`rlrun_runtime.flash_attention`) where it can run for compute ``dtype`` and ``model_config``
+    (:func:`rlrun_runtime.flash_attention.get_flash_unavailable_reason`), without context parallelism and unless
+    ``flash`` is False (the benchmark's comparison), else FlexAttention (document block masks). On CPU, and for
+    padded micro-batches: SDPA (an explicit block-diagonal mask for packed rows)."""
     if not cfg.micro_batch_tokens or device.type != "cuda":
         return "sdpa"
-    if flash and cfg.cp == 1 and get_flash_unavailable_reason(device) is None:
+    if flash and cfg.cp == 1 and get_flash_unavailable_reason(device, dtype, model_config) is None:
         return install_flash_attention()
     return FLEX_ATTENTION
 
 
-def get_attn_note(attn: str, cfg: TrainerView, device: torch.device) -> str:
+def get_attn_note(attn: str, cfg: TrainerView, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                  model_config: Any = None) -> str:
     """One line for the trainer's log: the attention the model runs, and why not varlen FlashAttention."""
     if attn == FLASH_VARLEN:
         return (f"attention {attn} (FlashAttention-4 for micro-batches of at least "
@@ -442,7 +445,7 @@ def get_attn_note(attn: str, cfg: TrainerView, device: torch.device) -> str:
     if attn != FLEX_ATTENTION:
         return f"attention {attn}"
     why = (f"context-parallel degree {cfg.cp}" if cfg.cp > 1
-           else get_flash_unavailable_reason(device) or "the caller asked for FlexAttention")
+           else get_flash_unavailable_reason(device, dtype, model_config) or "the caller asked for FlexAttention")
     return f"attention {attn} (varlen FlashAttention not used: {why})"
 
 
@@ -478,9 +481,11 @@ def build_model(model_path: str, cfg: TrainerView, device: torch.device, revisio
     from .fp8 import check_quantization
 
     check_quantization(cfg.quantization, device)  # before minutes of loading (again in shard_model)
-    attn = get_attn_implementation(cfg, device, flash)
     try:
         config = AutoConfig.from_pretrained(model_path, revision=revision)
+        # unwrapped (autocast), Qwen3's float32 q/k norm weights make the queries and keys float32: no FA4 there
+        attn = get_attn_implementation(cfg, device, flash and wrap_fsdp is not False,
+                                       get_torch_dtype(cfg.dtype, config), config)
         model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32,
                                                      revision=revision, attn_implementation=attn,
                                                      **get_load_kwargs(config))
@@ -555,9 +560,13 @@ def shard_model(model: Any, cfg: TrainerView, device: torch.device, compile_laye
     if compile_layers or model.config._attn_implementation in (FLEX_ATTENTION, FLASH_VARLEN):
         from torch import _dynamo
 
-        # One compiled kernel per packed row length (GPU_ROW_MULTIPLE steps up to microBatchTokens).
-        budget = (cfg.micro_batch_tokens or 0) // GPU_ROW_MULTIPLE + 8
+        # One compiled kernel per packed row length (GPU_ROW_MULTIPLE steps up to microBatchTokens); with varlen
+        # FlashAttention also one per row length and power-of-two length bound (flash_attention.get_length_bound).
+        lengths = (cfg.micro_batch_tokens or 0) // GPU_ROW_MULTIPLE
+        bounds = 1 + max(lengths, 1).bit_length() if model.config._attn_implementation == FLASH_VARLEN else 1
+        budget = lengths * bounds + 8
         _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, budget)
+        _dynamo.config.accumulated_cache_size_limit = max(_dynamo.config.accumulated_cache_size_limit, budget)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if wrap_fsdp not in (True, False, ROOT_ONLY):
         raise ValueError(f"wrap_fsdp={wrap_fsdp!r}: use True, False or {ROOT_ONLY!r}")
@@ -756,8 +765,9 @@ class Trainer:
             lora = f"LoRA rank {self.cfg.lora_rank}" if self.cfg.lora_rank else "full fine-tuning"
             print(f"trainer: {lora}, {sum(p.numel() for p in self.params)} trainable parameters, compile "
                   f"{self.cfg.compile}, activation checkpointing {self.cfg.activation_checkpointing}, quantization "
-                  f"{self.cfg.quantization}, {get_attn_note(self.model.config._attn_implementation, self.cfg, self.device)}",
-                  flush=True)
+                  f"{self.cfg.quantization}, "
+                  + get_attn_note(self.model.config._attn_implementation, self.cfg, self.device, self.publish_dtype,
+                                  self.model.config), flush=True)
             for note in get_trainer_deprecations(self.cfg):
                 print(f"trainer: {note}", flush=True)
         for step in range(start, self.cfg.max_steps + 1):

@@ -20,6 +20,7 @@ from rlrun_runtime.flash_attention import (
     get_causal_work,
     get_cu_seqlens,
     get_flash_unavailable_reason,
+    get_length_bound,
     install,
 )
 from rlrun_runtime.logprobs import install_logprob_head
@@ -110,6 +111,50 @@ def flash_always(monkeypatch):
     monkeypatch.setattr(flash_attention, "FLASH_MIN_CAUSAL_WORK", 0)
 
 
+@pytest.mark.parametrize("longest, bound", [(1, 1024), (13, 1024), (1024, 1024), (1025, 2048), (4096, 4096),
+                                            (65536, 65536), (65537, 131072)])
+def test_length_bound_is_a_power_of_two_of_at_least_1024(longest, bound):
+    assert get_length_bound(longest) == bound
+
+
+def test_what_keeps_varlen_flash_attention_off():
+    """The reasons that do not need a GPU to check: device, compute dtype, model features."""
+    from types import SimpleNamespace
+
+    gpu = torch.device("cuda", 0)
+    assert get_flash_unavailable_reason(torch.device("cpu")) == "device cpu is not a CUDA GPU"
+    assert get_flash_unavailable_reason(gpu, torch.float32) == "compute dtype torch.float32 is not bfloat16 or float16"
+    assert get_flash_unavailable_reason(gpu, torch.bfloat16, SimpleNamespace(use_sliding_window=True)) == (
+        "the model config sets use_sliding_window")
+    assert get_flash_unavailable_reason(gpu, torch.float16, SimpleNamespace(attn_logit_softcapping=50.0)) == (
+        "the model config sets attn_logit_softcapping")
+    assert "head_dim 512" in get_flash_unavailable_reason(gpu, torch.bfloat16, SimpleNamespace(head_dim=512))
+
+
+def test_one_compiled_graph_serves_every_document_count_of_a_length_bound(cpu_kernels, flash_always):
+    """Compiled like the trainer's layers (``dynamic=False``): four 2,048-token rows of 2, 3, 4 and 2 documents,
+    longest 1,348, 900, 548 and 1,100 tokens (bounds 2048, 1024, 1024, 2048), compile two graphs, one per bound
+    (with the document count static it would be three)."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+
+    def attend(q, k, v, inputs):
+        return flash_varlen_attention(None, q, k, v, None, cu_seq_lens_q=inputs["cu_seq_lens_q"],
+                                      max_length_q=inputs["max_length_q"])[0] * 2
+
+    compiled = torch.compile(attend, backend=counter, dynamic=False)
+    for lengths in ([700, 1348], [300, 900, 848], [500, 500, 500, 548], [1100, 948]):
+        samples = [{"prompt_ids": [5] * (n - 1), "completion_ids": [6, 7], "inference_logprobs": [-1.0, -1.0],
+                    "advantage": 0.5} for n in lengths]
+        mb = get_packed_micro_batch(samples, pad_multiple=2048)
+        assert mb.input_ids.shape == (1, 2048)
+        inputs = get_model_inputs(mb, torch.device("cpu"), FLASH_VARLEN)
+        q = torch.randn(1, 2, 2048, 8)
+        compiled(q, torch.randn(1, 1, 2048, 8), torch.randn(1, 1, 2048, 8), inputs)
+    assert counter.frame_count == 2
+
+
 def test_causal_work_is_the_sum_of_squared_segment_lengths():
     assert get_causal_work(torch.tensor([0, 3, 5, 6, 8], dtype=torch.int32)) == 9 + 4 + 1 + 4
     assert get_causal_work(torch.tensor([0, 65536], dtype=torch.int32)) == 1 << 32  # no int32 overflow
@@ -124,7 +169,7 @@ def test_model_inputs_carry_document_bounds_and_no_mask(flash_always):
     assert sorted(inputs["cu_seq_lens_q"].diff().tolist()[:4]) == sorted(lengths)
     assert inputs["cu_seq_lens_q"].diff().tolist()[4:] == [32 - sum(lengths)]  # the padding tail
     assert inputs["cu_seq_lens_q"].tolist()[-1] == mb.input_ids.numel() == 32
-    assert inputs["max_length_q"] == inputs["max_length_k"] == 13
+    assert inputs["max_length_q"] == inputs["max_length_k"] == 1024  # the longest, 13, as a power-of-two bound
     assert torch.equal(inputs["position_ids"], mb.position_ids)
     sharded = replace(mb, kv_doc_ids=mb.doc_ids)
     with pytest.raises(ValueError, match="context-parallel shards; use FlexAttention"):
@@ -240,14 +285,15 @@ def test_the_trainer_picks_varlen_flash_attention_where_it_runs(monkeypatch):
 
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert get_flash_unavailable_reason(cpu) == "device cpu is not a CUDA GPU"
-    monkeypatch.setattr(trainer, "get_flash_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(trainer, "get_flash_unavailable_reason", lambda *args: None)
     assert trainer.get_attn_implementation(_view(), gpu) == FLASH_VARLEN
-    assert "FlashAttention-4 for micro-batches of at least 33554432" in trainer.get_attn_note(FLASH_VARLEN, _view(), gpu)
+    note = trainer.get_attn_note(FLASH_VARLEN, _view(), gpu)
+    assert "FlashAttention-4 for micro-batches of at least 33554432" in note
     assert trainer.get_attn_implementation(_view(), gpu, flash=False) == FLEX_ATTENTION
     assert trainer.get_attn_implementation(_view(cp=2), gpu) == FLEX_ATTENTION
     assert "context-parallel degree 2" in trainer.get_attn_note(FLEX_ATTENTION, _view(cp=2), gpu)
     assert trainer.get_attn_implementation(_view(), cpu) == "sdpa"
     assert trainer.get_attn_implementation(_view(micro_batch_tokens=0), gpu) == "sdpa"  # padded micro-batches
-    monkeypatch.setattr(trainer, "get_flash_unavailable_reason", lambda device: "no flash_attn.cute")
+    monkeypatch.setattr(trainer, "get_flash_unavailable_reason", lambda *args: "no flash_attn.cute")
     assert trainer.get_attn_implementation(_view(), gpu) == FLEX_ATTENTION
     assert trainer.get_attn_note(FLEX_ATTENTION, _view(), gpu).endswith("not used: no flash_attn.cute)")

@@ -49,6 +49,22 @@ for dtype in (torch.bfloat16, torch.float32):
             "target_grad_positive": bool((got.float().gather(-1, targets.unsqueeze(-1)).squeeze(-1)
                                           * grad_out).min() > 0),
         })
+# ChunkedTokenLogprobs with the kernels (as on a GPU: kernels_usable forced) against the chunk arithmetic
+import rlrun_runtime.logprobs as logprobs_module
+from rlrun_runtime.logprobs import chunked_token_logprobs
+
+hidden = torch.randn(40, 32, dtype=torch.float32, requires_grad=True)
+weight = torch.randn(5000, 32, dtype=torch.float32, requires_grad=True)
+targets = torch.randint(0, 5000, (40,))
+grads = {}
+for kernels in (False, True):
+    logprobs_module.kernels_usable = lambda logits: True
+    values = chunked_token_logprobs(hidden, weight, targets, 0.8, chunk=16, kernels=kernels)
+    (values * torch.linspace(-1, 2, 40)).sum().backward()
+    grads[kernels] = (values.detach(), hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+wiring = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(grads[True], grads[False])]
+rows.append({"wiring": wiring})
 empty = torch.zeros(0, 9000)
 rows.append({"empty": [t.shape[0] for t in token_logprobs_and_lse(empty, torch.zeros(0, dtype=torch.long), 1.0)]})
 print(json.dumps(rows))
@@ -65,7 +81,7 @@ def results():
 
 
 def test_logprobs_and_lse_match_float64_and_the_chunk_arithmetic(results):
-    for row in results[:-1]:
+    for row in results[:-2]:
         # float32 accumulation over 9,000 columns of logits up to ~|20|: rounding near 1e-6; a wrong sum is off by
         # far more (one block of 4,096 columns missed: about log(9000 / 4904) = 0.6)
         assert row["lse_vs_float64"] < 2e-5, row
@@ -74,12 +90,19 @@ def test_logprobs_and_lse_match_float64_and_the_chunk_arithmetic(results):
 
 
 def test_gradient_overwrites_the_logits_as_the_chunk_arithmetic_does(results):
-    for row in results[:-1]:
+    for row in results[:-2]:
         assert row["grad_dtype"] == row["dtype"]  # written back in place, in the logits' dtype
         # bf16 output: the two may round one unit apart (2**-7 relative); float32: float32 rounding
         assert row["grad_vs_chunks"] <= (2 ** -7 if "bfloat16" in row["dtype"] else 1e-5), row
         assert row["grad_vs_float64"] < (1e-2 if "bfloat16" in row["dtype"] else 1e-5), row
         assert row["target_grad_positive"], row  # raising a sampled token's logit raises its logprob
+
+
+def test_chunked_token_logprobs_through_the_kernels_equals_the_chunk_arithmetic(results):
+    """The autograd function's kernel path (kept logits, kernels forced usable) against its chunk path: the
+    logprobs and the gradients of the hidden states and of the weight, float32."""
+    values, hidden, weight = results[-2]["wiring"]
+    assert values < 1e-6 and hidden < 1e-5 and weight < 1e-5, results[-2]
 
 
 def test_no_rows_launch_nothing(results):
