@@ -573,6 +573,11 @@ def decide(observations: Observations, state: State, policy: AutoscalingView, no
         if before[name] < low and total < policy.max_replicas:
             return result("grow", "bounds", f"{name} has {before[name]} replicas, below its min {low}",
                           {name: 1})
+        other = DECODE if name == PREFILL else PREFILL
+        if before[name] < low and before[other] > max(1, policy.bounds(other).min):
+            # the budget is full: the other pool gives a replica first (it stays at or above its own min)
+            return result("shrink", "bounds", f"{name} has {before[name]} replicas, below its min {low}, and "
+                          f"maxReplicas {policy.max_replicas} is reached: {other} gives one first", {other: -1})
         if before[name] > b.max:
             return result("shrink", "bounds", f"{name} has {before[name]} replicas, above its max {b.max}",
                           {name: -1})

@@ -245,6 +245,19 @@ def test_decide_table(prefill, decode, expected, code):
     assert ((d.prefill, d.decode), d.code) == (expected, code), d.reason
 
 
+def test_below_min_with_the_budget_full_takes_a_replica_from_the_other_pool_first():
+    """Prefill at 1 under its min 2, decode at 4 (min 1) and maxReplicas 5 reached: decode gives one (code
+    bounds), then prefill grows; an idle decode pool is not shrunk past that while prefill stays under its min
+    (hypothesis found the idle shrink, 2026-12-07)."""
+    policy = dataclasses.replace(POLICY, prefill=PoolBounds(2, 5), decode=PoolBounds(1, 4), max_replicas=5)
+    idle = pool(4, 0, running=0, kv=0.0)
+    d = decide(Observations(pool(1, 0, running=0, kv=0.0), idle), State(), policy, NOW)
+    assert ((d.prefill, d.decode), d.code) == ((1, 3), "bounds"), d.reason
+    assert "prefill has 1 replicas, below its min 2" in d.reason and "decode gives one first" in d.reason
+    d = decide(Observations(pool(1, 0), pool(3, 0, running=0, kv=0.0)), d.state, policy, NOW + 15)
+    assert ((d.prefill, d.decode), d.code) == ((2, 3), "bounds"), d.reason
+
+
 def test_one_noisy_scrape_never_scales():
     d = decide(Observations(pool(2, 10), pool(2, 1)), State(), POLICY, NOW)
     assert not d.changed and d.code == "confirming"
