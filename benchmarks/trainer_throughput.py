@@ -13,7 +13,7 @@ Printed per case: tokens/s (real tokens), MFU = tokens/s x (6 N + 6 L H D S) / p
 parameters, for a MoE model the ACTIVE ones (experts counted top_k / num_experts), L layers, H heads, D head
 dim, S the DOCUMENT length, peak 989 TFLOP/s dense bf16), step time, peak GPU memory, and the ratios to the
 compiled and the eager baseline. ``--json PATH`` writes every figure.
-rlrun cases are ``[lora-|fp8-]<layout>[c][a|s][n|r][g][k][f][e][#k]``: layout packed16, var16, packed64, split64 (64
+rlrun cases are ``[lora-|fp8-]<layout>[c][a|s][n|r][g][k][f][e][p][#k]``: layout packed16, var16, packed64, split64 (64
 documents in four micro-batches of 16) or single64; prefix
 ``lora-`` LoRA rank 16 (alpha 32) on q/k/v/o_proj, ``fp8-`` torchao float8 matmuls; suffix ``c`` compiled
 decoder layers (and head), ``a`` activation checkpointing of every layer, ``s`` of every second layer (the spec's
@@ -25,8 +25,9 @@ its logits in the backward (before 2026-12-07 the only way; now logits up to
 :data:`rlrun_runtime.logprobs.KEEP_LOGITS_BYTES` are kept from the forward), ``f`` FlexAttention even where the
 trainer would run varlen FlashAttention-4 (:mod:`rlrun_runtime.flash_attention`; before 2026-12-07 the only
 attention on GPU), ``e`` the LM head's kept logits through the chunk arithmetic (compiled with ``c``) instead
-of the Triton kernels (:mod:`rlrun_runtime.logprob_kernels`; before 2026-12-07 the only way); ``#k`` a repeat
-of the same case (timing spread).
+of the Triton kernels (:mod:`rlrun_runtime.logprob_kernels`; before 2026-12-07 the only way), ``p`` the gradients
+clipped in place before fused AdamW (before 2026-12-07 the only way; now fused AdamW divides by the clip's divisor,
+``Trainer.fold_clip``); ``#k`` a repeat of the same case (timing spread).
 
     python benchmarks/trainer_throughput.py                      # the H200 cases
     python benchmarks/trainer_throughput.py --shape tiny --device cpu --cases packed16,var16 --steps 2
@@ -186,8 +187,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def parse_case(case: str) -> dict[str, Any]:
-    """``[lora-|fp8-]<layout>[c][a|s][n|r][g][k][f][e][#k]`` -> layout, compile, checkpoint, wrap_fsdp, keep_gathered,
-    keep_logits, flash, kernels, lora_rank, quantization.
+    """``[lora-|fp8-]<layout>[c][a|s][n|r][g][k][f][e][p][#k]`` -> layout, compile, checkpoint, wrap_fsdp,
+    keep_gathered, keep_logits, flash, kernels, fold_clip, lora_rank, quantization.
 
     Raises:
         ValueError: unknown prefix.
@@ -196,7 +197,7 @@ def parse_case(case: str) -> dict[str, Any]:
     prefix, _, name = name.rpartition("-")
     if prefix not in ("", "lora", "fp8"):
         raise ValueError(f"unknown case prefix {prefix!r}: use lora- or fp8-")
-    layout = name.rstrip("casnrgkfe")
+    layout = name.rstrip("casnrgkfep")
     flags = name[len(layout):]
     from rlrun_runtime.trainer import ROOT_ONLY
 
@@ -208,7 +209,7 @@ def parse_case(case: str) -> dict[str, Any]:
     checkpoint: bool | str = "selective" if "s" in flags else "a" in flags
     return {"layout": layout, "compile": "c" in flags, "checkpoint": checkpoint, "wrap_fsdp": wrap,
             "keep_gathered": False if "g" in flags else None, "keep_logits": "k" not in flags,
-            "flash": "f" not in flags, "kernels": "e" not in flags,
+            "flash": "f" not in flags, "kernels": "e" not in flags, "fold_clip": "p" not in flags,
             "lora_rank": 16 if prefix == "lora" else 0, "quantization": "fp8" if prefix == "fp8" else "none"}
 
 
@@ -217,15 +218,15 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
               profile: bool = False, wrap_fsdp: bool | str = True, lora_rank: int = 0,
               quantization: str = "none", keep_gathered: bool | None = None,
               keep_logits: bool = True, cp: int = 1, ep: int = 1, checkpoint_interval: int = 2,
-              flash: bool = True, kernels: bool = True) -> dict[str, Any]:
+              flash: bool = True, kernels: bool = True, fold_clip: bool = True) -> dict[str, Any]:
     """rlrun's ``Trainer`` (FSDP2 at world size 1 unless ``wrap_fsdp`` is False, fp32 master weights, bf16
     compute on GPU) on ``samples``, with LoRA of ``lora_rank`` on :data:`LORA_TARGETS` (alpha 2 x rank) or
     ``quantization`` fp8; ``keep_logits`` False: the LM head recomputes its logits in the backward; ``cp``: the
     context-parallel degree over the torchrun world (every rank of a group runs its shard of each row);
     ``checkpoint_interval``: the selective checkpointing's ``layerInterval`` (every n-th layer); ``flash`` False:
     FlexAttention for the packed rows even where varlen FlashAttention could run; ``kernels`` False: the LM head
-    without its Triton kernels;
-    ``profile``: one more step under torch.profiler, its top GPU kernels printed."""
+    without its Triton kernels; ``fold_clip`` False: the gradients clipped in place before fused AdamW;
+    ``profile``: one more step under torch.profiler, its GPU time by kernel printed (:func:`print_profile`)."""
     from rlrun_api.views import TrainerView
     from rlrun_runtime.storage import RunStorage
     from rlrun_runtime.trainer import Trainer
@@ -253,6 +254,7 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
             for head in heads:
                 head.keep_bytes = head.keep_bytes if keep_logits else 0
                 head.kernels = kernels
+        trainer.fold_clip = trainer.fold_clip and fold_clip
         batch = {"samples": samples}
         losses = []
 
@@ -271,10 +273,28 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as profiler
 
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
             with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 step(warmup + steps + 1)
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            print_profile(prof, time.perf_counter() - t0)
     return out
+
+
+def print_profile(prof: Any, wall_s: float, top: int = 40) -> None:
+    """The profiled step's GPU kernels: the total of their own time against the step's wall time (ms; streams
+    that overlap count twice), and the ``top`` kernels by own time with their call counts."""
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    total_us = sum(e.self_device_time_total for e in kernels)
+    print(f"profiled step: {wall_s * 1e3:.1f} ms wall, {total_us / 1e3:.1f} ms of GPU kernels, "
+          f"{len(kernels)} kernel names, {sum(e.count for e in kernels)} launches")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"  {e.self_device_time_total / 1e3:8.2f} ms {e.count:6d}x  {e.key[:110]}")
 
 
 def save_random_model(shape: dict[str, Any], model_dir: Path, device: torch.device) -> None:
@@ -385,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                                     lora_rank=spec["lora_rank"], quantization=spec["quantization"],
                                     keep_gathered=spec["keep_gathered"], keep_logits=spec["keep_logits"],
                                     cp=args.cp, ep=args.ep, checkpoint_interval=args.checkpoint_interval,
-                                    flash=spec["flash"], kernels=spec["kernels"])
+                                    flash=spec["flash"], kernels=spec["kernels"], fold_clip=spec["fold_clip"])
                     seq_len = round(sum(lengths) / len(lengths))
                     out["mean_doc_len"] = seq_len
                 out["tokens_per_s"] = out["tokens"] / out["step_s"]

@@ -176,18 +176,31 @@ def get_param_groups_by_mesh(params: list[torch.nn.Parameter]) -> list[list[torc
     return list(groups.values())
 
 
-def clip_grad_norm_by_mesh(groups: list[list[torch.nn.Parameter]], max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` over the parameter lists of :func:`get_param_groups_by_mesh`: the total
-    2-norm of every gradient (a plain tensor, the same on every rank), every gradient scaled by
-    ``min(1, max_norm / (norm + 1e-6))``. One list is torch's own call."""
-    if len(groups) == 1:
-        norm = torch.nn.utils.clip_grad_norm_(groups[0], max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+def get_grad_norm_by_mesh(groups: list[list[torch.nn.Parameter]]) -> torch.Tensor:
+    """The total 2-norm of every gradient in the parameter lists of :func:`get_param_groups_by_mesh`: a plain
+    0-dim tensor on the gradients' device, the same on every rank (torch's ``get_total_norm`` per list, then the
+    norm of those)."""
     norms = []
     for params in groups:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], 2.0)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+
+
+def get_clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What to divide every gradient by so that the result equals ``clip_grad_norm_``'s: ``1 / min(1, max_norm /
+    (norm + 1e-6))`` (torch's clip coefficient, its 1e-6 included), a 0-dim float32 tensor on ``norm``'s device.
+    Fused AdamW divides by it inside its one kernel (its ``grad_scale``), where clipping in place would read and
+    write every gradient once more."""
+    coef = torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0)
+    return 1.0 / coef
+
+
+def clip_grad_norm_by_mesh(groups: list[list[torch.nn.Parameter]], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over the parameter lists of :func:`get_param_groups_by_mesh`: the total
+    2-norm of every gradient (:func:`get_grad_norm_by_mesh`), every gradient scaled in place by
+    ``min(1, max_norm / (norm + 1e-6))``."""
+    total = get_grad_norm_by_mesh(groups)
     for params in groups:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

@@ -103,6 +103,20 @@ def test_clipping_over_parameter_groups_equals_one_clip_over_all_of_them():
     assert torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])).item() == pytest.approx(1.0, rel=1e-5)
 
 
+@pytest.mark.parametrize("norm,max_norm,divisor", [(0.5, 1.0, 1.0), (1.0, 1.0, 1.0), (4.0, 1.0, 4.000001),
+                                                     (3.0, 0.5, 6.000002), (float("inf"), 1.0, float("inf"))])
+def test_clip_divisor_undoes_torchs_clip_coefficient(norm, max_norm, divisor):
+    from rlrun_runtime.expert_parallel import get_clip_divisor
+
+    got = get_clip_divisor(torch.tensor(norm, dtype=torch.float64), max_norm)
+    assert got.dtype == torch.float32 and got.item() == pytest.approx(divisor, rel=1e-6)
+    param = torch.nn.Parameter(torch.zeros(7))
+    grad = torch.randn(7)
+    param.grad = grad.clone()
+    torch.nn.utils.clip_grads_with_norm_([param], max_norm, torch.tensor(norm))  # torch's clip, in place
+    torch.testing.assert_close(grad / got, param.grad, rtol=1e-6, atol=0)
+
+
 def test_replica_gradients_are_summed_in_order_in_bounded_buckets(world_of_one, monkeypatch):
     """One process stands for two replicas holding equal gradients: the fake all-reduce doubles each bucket, and
     every gradient must come back doubled, in buckets within the bound, in the parameters' order."""

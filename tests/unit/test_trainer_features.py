@@ -247,6 +247,36 @@ def test_activation_checkpointing_and_no_fsdp_wrapper_change_no_number(tmp_path,
             torch.testing.assert_close(weights[key], ref_weights[key], atol=1e-6, rtol=1e-5, msg=f"{name} {key}")
 
 
+def test_fused_adamw_folds_the_clip_into_its_update_and_changes_no_number(tmp_path, world_of_one):
+    """Fused AdamW divides each gradient by the clip's divisor (its grad_scale) where the foreach optimizer
+    needs the gradients clipped in place first: with a clip that binds, the same grad norms and weights."""
+    import dataclasses
+
+    from rlrun_runtime.storage import RunStorage
+    from rlrun_runtime.trainer import Trainer
+
+    model_dir = save_model_dir(tmp_path / "model", seed=11)
+    view = dataclasses.replace(_view(model_dir), max_grad_norm=0.05)
+    batch = {"samples": _samples()}
+    runs = {}
+    for fused in (False, True):
+        tr = Trainer(view, RunStorage(tmp_path / f"storage-{fused}"), str(model_dir), 0, 1, world_of_one,
+                     fused_optimizer=fused)
+        assert tr.fold_clip is fused and tr.optimizer.defaults["fused"] is (True if fused else None)
+        initial = _full(tr.model)
+        results = [tr.train_step(step, batch)[:3] for step in (1, 2, 3)]
+        if fused:  # the divisor the last step used: the clip bound (grad norm well above 0.05)
+            assert tr.optimizer.grad_scale.item() == pytest.approx((results[-1][2] + 1e-6) / 0.05, rel=1e-5)
+        runs[fused] = (results, _full(tr.model))
+    (plain, plain_weights), (folded, folded_weights) = runs[False], runs[True]
+    assert all(grad > 1 for _, _, grad in plain)  # every step clipped: the fold is exercised
+    for (loss, _, grad), (ref_loss, _, ref_grad) in zip(folded, plain):
+        assert loss == pytest.approx(ref_loss, abs=1e-6) and grad == pytest.approx(ref_grad, rel=1e-5)
+    assert max((plain_weights[k] - initial[k]).abs().max().item() for k in initial) > 1e-3  # the weights moved
+    for key in plain_weights:
+        torch.testing.assert_close(folded_weights[key], plain_weights[key], atol=1e-6, rtol=1e-5, msg=key)
+
+
 @pytest.mark.timeout(120)
 def test_lora_targets_that_match_nothing_name_the_field(tmp_path, world_of_one):
     model_dir = save_model_dir(tmp_path / "model")
