@@ -67,8 +67,6 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 chunk: int, compiled: bool = False, keep_bytes: int = KEEP_LOGITS_BYTES,
                 kernels: bool = True) -> torch.Tensor:
         count, dtype = hidden.shape[0], get_logit_dtype(weight.dtype)
-        out = torch.empty(count, dtype=dtype, device=hidden.device)
-        lse = torch.empty(count, dtype=dtype, device=hidden.device)
         kept = None
         if count * weight.shape[0] * get_matmul_dtype(hidden, weight).itemsize <= keep_bytes:
             try:
@@ -80,6 +78,8 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         if ctx.kernels:
             out, lse = token_logprobs_and_lse(kept, targets, temperature)
         else:
+            out = torch.empty(count, dtype=dtype, device=hidden.device)
+            lse = torch.empty(count, dtype=dtype, device=hidden.device)
             forward_chunk = _compiled(_forward_chunk) if compiled else _forward_chunk
             for start in range(0, count, chunk):
                 end = min(count, start + chunk)

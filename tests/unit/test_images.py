@@ -37,8 +37,8 @@ OPTIONAL_IMPORTS = {
     "tensorboardX": "pyproject's tracking extra, for spec.tracking.tensorboard only; the orchestrator exits 2 naming it",
     "torchao": "pyproject's gpu extra, for spec.trainer.quantization: fp8 only (GPU); the trainer exits 2 naming it",
     "triton": "installed with torch's CUDA build; the LM head's Triton kernels on GPU, the chunk arithmetic without",
-    "flash_attn": "PyPI flash-attn-4, installed by the user (not in the image yet): the trainer runs varlen "
-                  "FlashAttention-4 on Hopper/Blackwell GPUs where it imports, FlexAttention otherwise",
+    "flash_attn": "pyproject's gpu extra (flash-attn-4): the trainer runs varlen FlashAttention-4 on Hopper/Blackwell "
+                  "GPUs where it imports, FlexAttention otherwise (CPU, other GPUs, the CPU runtime extra)",
 }
 # What runtime/Dockerfile builds from source and installs as wheels (distribution names), besides the
 # `nixl` dispatcher it installs by name.
@@ -46,7 +46,8 @@ SOURCE_BUILT = {"nixl-cu13": "/src/nixl-${NIXL_VERSION}", "deep-ep": "/src/DeepE
 # Distributions of pyproject's `runtime` extra that the image gets otherwise than from the `gpu` extra
 # (nixl: built from source), and of the `gpu` extra that the CPU `runtime` extra does not have yet.
 RUNTIME_ONLY = {"nixl"}
-GPU_ONLY = {"torchtitan", "torchao"}  # torchao: float8 training is GPU-only, and on CPU it logs load failures
+# torchao: float8 training is GPU-only, and on CPU it logs load failures; flash-attn-4: CUDA kernels only.
+GPU_ONLY = {"torchtitan", "torchao", "flash-attn-4"}
 # The only host any URL in the images may name: the source-code host of UCX, NIXL and DeepEP releases.
 SOURCE_HOST = "github.com"
 
@@ -259,6 +260,16 @@ def test_every_pyproject_pin_is_a_copy_of_versions_toml():
                 f"(the one source of versions)")
             assert version == python[key], (
                 f"pyproject.toml [{list_name}] pins {req} but versions.toml says {key} = {python[key]!r}")
+
+
+def test_the_flash_attention_module_checks_for_the_version_the_image_installs():
+    """flash_attention.py calls private functions of one flash-attn-4 release and refuses any other, so its
+    pin must be the one versions.toml (and through it the gpu extra) installs."""
+    from rlrun_runtime.flash_attention import FLASH_ATTN_VERSION
+
+    assert FLASH_ATTN_VERSION == VERSIONS["python"]["flash-attn-4"]
+    [req] = [r for r in pyproject_requirements()["gpu"] if canonicalize_name(r.name) == "flash-attn-4"]
+    assert req.extras == {"cu13"} and VERSIONS["system"]["cuda"].startswith("13.")
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
