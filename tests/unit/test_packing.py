@@ -4,6 +4,8 @@ against padded rows and an HF reference forward."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlrun_runtime.logprobs import install_logprob_head
 from rlrun_runtime.loss import token_logprobs
@@ -143,6 +145,54 @@ def test_packed_row_restarts_positions_and_matches_the_padded_rows_per_document(
     assert not packed.loss_mask[0, at:].any() and not packed.attention_mask[0, at:].any()
     assert packed.num_tokens == padded.num_tokens == sum(lengths)
     assert packed.num_loss_tokens == count_loss_tokens(samples)
+
+
+_token = st.integers(0, 1000)
+_packed_sample = st.builds(
+    lambda prompt, completion, adv, version, lps: {
+        "prompt_ids": prompt, "completion_ids": completion, "advantage": adv, "policy_version": version,
+        "inference_logprobs": (lps * len(completion))[:len(completion)]},
+    st.lists(_token, min_size=1, max_size=6), st.lists(_token, max_size=6),
+    st.floats(-3, 3, allow_nan=False), st.sampled_from([None, 0, 1]),
+    st.lists(st.floats(-20, 0, allow_nan=False), min_size=1, max_size=3))
+
+
+@settings(max_examples=200, deadline=None)
+@given(samples=st.lists(_packed_sample, min_size=1, max_size=6), multiple=st.sampled_from([1, 4, 16]),
+       version=st.sampled_from([None, 0, 1]))
+def test_every_packed_row_equals_the_padded_rows_per_document(samples, multiple, version):
+    """One-token samples without a completion, empty completions, on-policy mixes: the packed row's tensors are
+    the padded layout's (an independent per-sample construction) at each document's positions."""
+    padded = get_micro_batch(samples, pad_id=7, on_policy_version=version)
+    packed = get_packed_micro_batch(samples, pad_id=7, on_policy_version=version, pad_multiple=multiple)
+    lengths = [sample_input_tokens(s) for s in samples]
+    used = sum(lengths)
+    assert packed.input_ids.shape == (1, -(-used // multiple) * multiple)
+    at = 0
+    for doc, n in enumerate(lengths):
+        assert packed.position_ids[0, at:at + n].tolist() == list(range(n))
+        assert packed.doc_ids[0, at:at + n].tolist() == [doc] * n
+        for name in ("input_ids", "target_ids", "loss_mask", "inference_logprobs", "advantages", "attention_mask",
+                     "on_policy_mask"):
+            got, want = getattr(packed, name)[0, at:at + n], getattr(padded, name)[doc, :n]
+            assert got.dtype == want.dtype and got.tolist() == want.tolist(), (name, doc)
+        at += n
+    tail = packed.input_ids.shape[1] - used
+    assert packed.doc_ids[0, used:].tolist() == [-1] * tail and packed.input_ids[0, used:].tolist() == [7] * tail
+    assert packed.target_ids[0, used:].tolist() == [7] * tail and not packed.loss_mask[0, used:].any()
+    assert packed.num_loss_tokens == count_loss_tokens(samples)
+
+
+def test_non_finite_inference_logprobs_are_named():
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        sample = _sample([1], [2, 3])
+        sample["inference_logprobs"] = [-1.0, bad]
+        with pytest.raises(ValueError, match="sample 1: non-finite inference_logprobs"):
+            get_packed_micro_batch([_sample([1], [2]), sample])
+    mixed = _sample([1], [2, 3])
+    mixed["inference_logprobs"] = [float("inf"), float("-inf")]  # a sum of nan
+    with pytest.raises(ValueError, match="sample 0: non-finite inference_logprobs"):
+        get_packed_micro_batch([mixed])
 
 
 def test_packed_micro_batches_respect_the_budget_and_keep_ranks_in_step():
