@@ -201,6 +201,19 @@ def get_clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return 1.0 / coef
 
 
+def get_grad_scale(divisor: torch.Tensor, params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """``divisor`` (0-dim) as fused AdamW's ``grad_scale`` for ``params`` (one mesh's list): replicated over
+    their mesh when they are DTensors. A plain tensor among DTensors makes DTensor build a sharding spec for
+    every parameter in each step (13 against 7 ms of host time for 310 parameters on a mesh of one, 2-core
+    CPU); a replicated DTensor costs nothing over no ``grad_scale``."""
+    mesh = getattr(params[0], "device_mesh", None) if params else None
+    if mesh is None:
+        return divisor
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(divisor, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
 def clip_grad_norm_by_mesh(groups: list[list[torch.nn.Parameter]], max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the parameter lists of :func:`get_param_groups_by_mesh`: the total
     2-norm of every gradient (:func:`get_grad_norm_by_mesh`), every gradient scaled in place by

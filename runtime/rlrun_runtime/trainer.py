@@ -39,7 +39,7 @@ from rlrun_runtime.role import RoleConfigError, env_bind_host, env_port, env_req
 from . import checkpoint as ckpt
 from .context_parallel import get_cp_coords, install_context_parallel, shard_micro_batch
 from .expert_parallel import (all_reduce_replica_grads, clip_grad_norm_by_mesh, get_clip_divisor,
-                              get_expert_replicas, get_grad_norm_by_mesh, get_param_groups_by_mesh)
+                              get_expert_replicas, get_grad_norm_by_mesh, get_grad_scale, get_param_groups_by_mesh)
 from .gathered_params import GatheredParams
 from .logprobs import LogprobHead, install_logprob_head
 from .moe import get_load_kwargs, prepare_moe_model, to_checkpoint_state_dict
@@ -728,10 +728,11 @@ class Trainer:
             sums[1:7] += mb_metrics
         if self.expert_replicas is not None:  # each replica of an expert shard saw only its group's tokens
             all_reduce_replica_grads(*self.expert_replicas)
-        if self.fold_clip:  # the same update as clipping in place, within float32 rounding
+        if self.fold_clip and len(self.params_by_mesh) == 1:  # the same update as clipping in place (float32)
             grad_norm = get_grad_norm_by_mesh(self.params_by_mesh)
-            self.optimizer.grad_scale = get_clip_divisor(grad_norm, self.cfg.max_grad_norm)
-        else:
+            self.optimizer.grad_scale = get_grad_scale(get_clip_divisor(grad_norm, self.cfg.max_grad_norm),
+                                                       self.params_by_mesh[0])
+        else:  # two meshes (expert-parallel replicas): no one grad_scale is a DTensor of both
             grad_norm = clip_grad_norm_by_mesh(self.params_by_mesh, self.cfg.max_grad_norm)
         self.optimizer.step()
         if self.gathered is not None:  # world size 1: the kept compute copies take the new weights
