@@ -295,6 +295,11 @@ def print_profile(prof: Any, wall_s: float, top: int = 40) -> None:
           f"{len(kernels)} kernel names, {sum(e.count for e in kernels)} launches")
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
         print(f"  {e.self_device_time_total / 1e3:8.2f} ms {e.count:6d}x  {e.key[:110]}")
+    host = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU]
+    print(f"host: {sum(e.self_cpu_time_total for e in host) / 1e3:.1f} ms of self time; by total time:")
+    for e in sorted(host, key=lambda e: -e.cpu_time_total)[:top]:
+        print(f"  {e.cpu_time_total / 1e3:8.2f} ms total {e.self_cpu_time_total / 1e3:8.2f} ms self "
+              f"{e.count:6d}x  {e.key[:100]}")
 
 
 def save_random_model(shape: dict[str, Any], model_dir: Path, device: torch.device) -> None:

@@ -186,7 +186,9 @@ def get_grad_norm_by_mesh(groups: list[list[torch.nn.Parameter]]) -> torch.Tenso
     for params in groups:
         grads = [p.grad for p in params if p.grad is not None]
         if grads and getattr(grads[0], "device_mesh", None) is not None and grads[0].device_mesh.size() == 1:
-            grads = [g.to_local() for g in grads]  # a mesh of one rank holds whole tensors: no DTensor dispatch
+            # a mesh of one rank holds whole tensors: their norm without DTensor's dispatch (and without
+            # to_local's autograd function: 310 calls took 3 ms of host time on a GPU host)
+            grads = [g._local_tensor for g in grads]
         norm = torch.nn.utils.get_total_norm(grads, 2.0)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
