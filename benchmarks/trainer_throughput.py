@@ -286,10 +286,12 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
 
 def print_profile(prof: Any, wall_s: float, top: int = 40) -> None:
     """The profiled step's GPU kernels: the total of their own time against the step's wall time (ms; streams
-    that overlap count twice), and the ``top`` kernels by own time with their call counts."""
+    that overlap count twice), the ``top`` kernels by own time with their call counts, then the host's ops by
+    total time (an op that calls another, such as ``repeat_interleave``, is counted in both)."""
     from torch.autograd import DeviceType
 
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    # user annotations (Optimizer.step#..., FSDP::post_backward_reduce) are ranges on the GPU timeline, not kernels
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     total_us = sum(e.self_device_time_total for e in kernels)
     print(f"profiled step: {wall_s * 1e3:.1f} ms wall, {total_us / 1e3:.1f} ms of GPU kernels, "
           f"{len(kernels)} kernel names, {sum(e.count for e in kernels)} launches")

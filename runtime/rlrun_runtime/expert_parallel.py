@@ -197,8 +197,8 @@ def get_grad_norm_by_mesh(groups: list[list[torch.nn.Parameter]]) -> torch.Tenso
 def get_clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """What to divide every gradient by so that the result equals ``clip_grad_norm_``'s: ``1 / min(1, max_norm /
     (norm + 1e-6))`` (torch's clip coefficient, its 1e-6 included), a 0-dim float32 tensor on ``norm``'s device.
-    Fused AdamW divides by it inside its one kernel (its ``grad_scale``), where clipping in place would read and
-    write every gradient once more."""
+    Fused AdamW divides by it inside its one kernel (its ``grad_scale``), where clipping in place would be one
+    more op over every gradient."""
     coef = torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0)
     return 1.0 / coef
 

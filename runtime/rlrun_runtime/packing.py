@@ -22,6 +22,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # advantages are packed as float32
+
 
 @dataclass
 class MicroBatch:
@@ -89,11 +91,14 @@ def check_sample(sample: dict[str, Any], index: int = 0) -> None:
             f"sample {index}: {len(sample['inference_logprobs'])} inference_logprobs for "
             f"{len(sample['completion_ids'])} completion_ids (one logprob per completion token is needed)"
         )
-    # a sum is finite only if every term is (and, for logprobs, none is beyond float32's range, the packed dtype)
+    # a sum is finite only if every term is (one pass in C, not a Python call per token)
     if not math.isfinite(sum(sample["inference_logprobs"])):
         raise ValueError(f"sample {index}: non-finite inference_logprobs (drop such samples upstream)")
     if not math.isfinite(sample["advantage"]):
         raise ValueError(f"sample {index}: non-finite advantage")
+    if abs(sample["advantage"]) > FLOAT32_MAX:
+        raise ValueError(f"sample {index}: advantage {sample['advantage']} is beyond float32's range (the packed "
+                         "dtype)")
 
 
 def count_loss_tokens(samples: Sequence[dict[str, Any]]) -> int:
@@ -267,8 +272,8 @@ def get_packed_micro_batch(samples: Sequence[dict[str, Any]], pad_id: int = 0,
     padding tail (``pad_id``, attention mask 0, no loss) has ``doc_ids == -1``. The per-position tensors of a
     document are exactly its row of :func:`get_micro_batch` (without that row's right padding). The row's
     tensors are built from whole-row lists by a fixed number of numpy ops, not a few per document: the trainer
-    packs on the host while the GPU waits (65,536 tokens of 64 documents took 31 ms with per-document ops on a
-    2-core sandbox).
+    packs on the host while the GPU waits (65,536 tokens of 64 documents took 21 ms with per-document torch ops
+    on a 2-core sandbox, 7 ms now).
 
     Raises:
         ValueError: from :func:`check_sample`, or no samples.
@@ -292,13 +297,14 @@ def get_packed_micro_batch(samples: Sequence[dict[str, Any]], pad_id: int = 0,
             inputs.append(seq[0])
             targets.append(pad_id)
         else:
-            inputs += seq[:-1]
-            targets += seq[1:]
-        logprobs += s["inference_logprobs"]
+            inputs.extend(seq[:-1])
+            targets.extend(seq[1:])
+        logprobs.extend(s["inference_logprobs"])
         loss_starts.append(at + len(s["prompt_ids"]) - 1)
         at += n
-    # numpy, single-threaded: torch's CPU index_put_ and repeat_interleave took ~60 ms for one 16,384-token
-    # row on a 16-core GPU host (their thread pool), against ~1 ms here
+    # numpy, single-threaded: torch's CPU index_put_ and repeat_interleave took about 60 ms for one 16,384-token
+    # row on a 16-core GPU host (their thread pool; benchmarks/README.md, 2026-12-07), about 1 ms on a 2-core
+    # sandbox
     docs = np.array(lengths, dtype=np.int64)
     completions = np.array([len(s["completion_ids"]) for s in samples], dtype=np.int64)
     # the loss positions, document by document: start_d + 0 .. completion_d - 1

@@ -665,8 +665,8 @@ class Trainer:
         fused = device.type == "cuda" if fused_optimizer is None else fused_optimizer
         self.optimizer = torch.optim.AdamW(groups, lr=self.cfg.learning_rate,
                                            weight_decay=self.cfg.weight_decay, fused=True if fused else None)
-        # Fused AdamW divides each gradient by its grad_scale as it reads it, so the clip coefficient goes there
-        # instead of a pass over every gradient (on the 0.6B shape about 2.4 GB read and written a step).
+        # Fused AdamW divides each gradient by its grad_scale as it reads it (and writes the divided gradient
+        # back), so the clip coefficient goes there instead of an op of its own over every gradient.
         self.fold_clip = fused
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,

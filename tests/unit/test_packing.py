@@ -183,12 +183,15 @@ def test_every_packed_row_equals_the_padded_rows_per_document(samples, multiple,
     assert packed.num_loss_tokens == count_loss_tokens(samples)
 
 
-def test_non_finite_inference_logprobs_are_named():
+def test_non_finite_inference_logprobs_and_advantages_beyond_float32_are_named():
     for bad in (float("inf"), float("-inf"), float("nan")):
         sample = _sample([1], [2, 3])
         sample["inference_logprobs"] = [-1.0, bad]
         with pytest.raises(ValueError, match="sample 1: non-finite inference_logprobs"):
             get_packed_micro_batch([_sample([1], [2]), sample])
+    huge = _sample([1], [2], adv=1e39)  # finite, but not as float32
+    with pytest.raises(ValueError, match="sample 0: advantage 1e.39 is beyond float32's range"):
+        get_packed_micro_batch([huge])
     mixed = _sample([1], [2, 3])
     mixed["inference_logprobs"] = [float("inf"), float("-inf")]  # a sum of nan
     with pytest.raises(ValueError, match="sample 0: non-finite inference_logprobs"):

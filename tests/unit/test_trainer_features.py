@@ -204,20 +204,22 @@ def test_lora_trains_only_the_adapters_and_publishes_base_plus_merged_delta(tmp_
 
 
 @pytest.mark.timeout(300)
-def test_lora_checkpoint_holds_the_adapters_and_optimizer_and_resumes_exactly(tmp_path, world_of_one):
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused-clip-folded"])
+def test_lora_checkpoint_holds_the_adapters_and_optimizer_and_resumes_exactly(tmp_path, world_of_one, fused):
+    """Also with the GPU's optimizer (fused AdamW, the clip as its grad_scale), which the CPU can run too."""
     from rlrun_runtime import checkpoint as ckpt
 
     model_dir = save_model_dir(tmp_path / "model", seed=6)
     lora = {"lora": {"rank": 4, "alpha": 8, "targetModules": TARGETS}}
-    tr = _trainer(tmp_path, model_dir, world_of_one, lora)
+    tr = _trainer(tmp_path, model_dir, world_of_one, lora, fused_optimizer=fused)
     for step in (1, 2):
         tr.train_step(step, {"samples": _samples(step)})
     ckpt.save_checkpoint(tr.storage, 2, tr.model, tr.optimizer, tr.scheduler, keep=2)
     size = sum(p.stat().st_size for p in tr.storage.checkpoint(2).glob("*.distcp"))
     base_bytes = sum(p.numel() * 4 for p in tr.model.parameters() if not p.requires_grad)
     assert size < base_bytes / 2, (size, base_bytes)  # the frozen base is not in the checkpoint
-    resumed = _trainer(tmp_path, model_dir, world_of_one, lora)
-    assert resumed.resume() == 3
+    resumed = _trainer(tmp_path, model_dir, world_of_one, lora, fused_optimizer=fused)
+    assert resumed.fold_clip is fused and resumed.resume() == 3
     a, b = _full(tr.model), _full(resumed.model)
     assert all(torch.equal(a[n], b[n]) for n in a)
     # the optimizer state came back too: the next step is the same on both
