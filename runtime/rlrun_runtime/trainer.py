@@ -44,6 +44,7 @@ from .gathered_params import GatheredParams
 from .logprobs import LogprobHead, install_logprob_head
 from .moe import get_load_kwargs, prepare_moe_model, to_checkpoint_state_dict
 from .loss import LossMetrics, policy_loss_on_device, token_logprobs
+from .optimizer import ShardLocalAdamW
 from . import flash_attention
 from .flash_attention import FLASH_VARLEN, get_flash_unavailable_reason
 from .flash_attention import install as install_flash_attention
@@ -663,8 +664,10 @@ class Trainer:
         self.expert_replicas = get_expert_replicas(self.model)  # (group, params) with expert-parallel replicas
         # Fused AdamW on CUDA (one kernel per param group); the default foreach implementation on CPU.
         fused = device.type == "cuda" if fused_optimizer is None else fused_optimizer
-        self.optimizer = torch.optim.AdamW(groups, lr=self.cfg.learning_rate,
-                                           weight_decay=self.cfg.weight_decay, fused=True if fused else None)
+        # torch's AdamW on the local tensors of FSDP2's DTensor parameters (rlrun_runtime.optimizer: the same
+        # update and state, without DTensor's per-step dispatch)
+        self.optimizer = ShardLocalAdamW(groups, lr=self.cfg.learning_rate, weight_decay=self.cfg.weight_decay,
+                                         fused=True if fused else None)
         # Fused AdamW divides each gradient by its grad_scale as it reads it (and writes the divided gradient
         # back), so the clip coefficient goes there instead of an op of its own over every gradient.
         self.fold_clip = fused
