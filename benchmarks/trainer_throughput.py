@@ -5,7 +5,8 @@ clip, optimizer, schedule, the one metrics read-back. Random weights of a Qwen3 
 Qwen3-0.6B: 28 layers, hidden 1024, 16 heads of 128, 8 KV heads, vocabulary 151,936, tied embeddings), bf16
 compute; ``--shape 30b-a3b`` is Qwen3-30B-A3B's MoE layer (hidden 2048, 128 experts of intermediate 768, 8 per
 token, 32 heads of 128, 4 KV heads, untied embeddings) with 4 layers (``--layers`` to change), its experts
-through grouped GEMM. Baselines, on the same token count as rows of ``--doc-len`` tokens: a plain transformers
+through grouped GEMM; ``--shape host`` is the 0.6B shape's 28 layers and 310 parameter tensors at a width of 32,
+where a CPU run measures what a step costs the host (Python, dispatch, launches) rather than arithmetic. Baselines, on the same token count as rows of ``--doc-len`` tokens: a plain transformers
 model in bf16 (SDPA) with its own cross-entropy (``labels=``) and fused AdamW, eager and with
 ``torch.compile(model)``.
 
@@ -13,10 +14,11 @@ Printed per case: tokens/s (real tokens), MFU = tokens/s x (6 N + 6 L H D S) / p
 parameters, for a MoE model the ACTIVE ones (experts counted top_k / num_experts), L layers, H heads, D head
 dim, S the DOCUMENT length, peak 989 TFLOP/s dense bf16), step time, peak GPU memory, and the ratios to the
 compiled and the eager baseline. ``--json PATH`` writes every figure.
-rlrun cases are ``[lora-|fp8-]<layout>[c][a|s][n|r][g][k][f][e][p][#k]``: layout packed16, var16, packed64, split64 (64
+rlrun cases are ``[lora-|fp8-]<layout>[c][w][a|s][n|r][g][k][f][e][p][#k]``: layout packed16, var16, packed64, split64 (64
 documents in four micro-batches of 16) or single64; prefix
 ``lora-`` LoRA rank 16 (alpha 32) on q/k/v/o_proj, ``fp8-`` torchao float8 matmuls; suffix ``c`` compiled
-decoder layers (and head), ``a`` activation checkpointing of every layer, ``s`` of every second layer (the spec's
+decoder layers (and head), ``w`` with ``c`` and ``r`` or ``n``: the decoder stack compiled as one graph instead of
+a graph per layer (``shard_model``'s ``compile_scope="stack"``), ``a`` activation checkpointing of every layer, ``s`` of every second layer (the spec's
 ``activationCheckpointing: {mode: selective, layerInterval: 2}``), ``n`` no FSDP2 wrapper (world size
 1, autocast to bf16 over the float32 parameters), ``r`` one FSDP2 unit, the root, instead of one per decoder
 layer, ``g`` FSDP2 gathers the compute copies in every forward (before 2026-12-06 the only way; now they stay
@@ -31,6 +33,8 @@ clipped in place before fused AdamW (before 2026-12-07 the only way; now fused A
 
     python benchmarks/trainer_throughput.py                      # the H200 cases
     python benchmarks/trainer_throughput.py --shape tiny --device cpu --cases packed16,var16 --steps 2
+    python benchmarks/trainer_throughput.py --shape host --device cpu --doc-len 4 --steps 20 \
+        --cases packed16c,packed16crw   # host time per step (CPU)
     python benchmarks/trainer_throughput.py --shape 30b-a3b --model-dir /tmp/moe --cases packed16c   # MoE
     torchrun --nproc-per-node 2 benchmarks/trainer_throughput.py --model-dir /tmp/m06 --cp 2 --cases packed64c
     torchrun --nproc-per-node 2 benchmarks/trainer_throughput.py --shape 30b-a3b --model-dir /tmp/moe --ep 2 \
@@ -61,6 +65,11 @@ SHAPES = {
     "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=65536 + 8,
                  rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6),
+    # Qwen3-0.6B's structure (28 layers, q/k norms, tied embeddings: its 310 parameter tensors) at a width where a
+    # CPU's arithmetic is small: what a step costs the host (the Python, dispatch and launch work a GPU host does).
+    "host": dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=28, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, max_position_embeddings=65536 + 8, rope_theta=1000000.0,
+                 tie_word_embeddings=True, rms_norm_eps=1e-6),
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=65536 + 8,
                  rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6),
@@ -187,27 +196,31 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def parse_case(case: str) -> dict[str, Any]:
-    """``[lora-|fp8-]<layout>[c][a|s][n|r][g][k][f][e][p][#k]`` -> layout, compile, checkpoint, wrap_fsdp,
-    keep_gathered, keep_logits, flash, kernels, fold_clip, lora_rank, quantization.
+    """``[lora-|fp8-]<layout>[c][w][a|s][n|r][g][k][f][e][p][#k]`` -> layout, compile, compile_scope, checkpoint,
+    wrap_fsdp, keep_gathered, keep_logits, flash, kernels, fold_clip, lora_rank, quantization.
 
     Raises:
-        ValueError: unknown prefix.
+        ValueError: unknown prefix; ``w`` without ``c``; flags that exclude each other.
     """
     name = case.split("#")[0]
     prefix, _, name = name.rpartition("-")
     if prefix not in ("", "lora", "fp8"):
         raise ValueError(f"unknown case prefix {prefix!r}: use lora- or fp8-")
-    layout = name.rstrip("casnrgkfep")
+    layout = name.rstrip("cwasnrgkfep")
     flags = name[len(layout):]
     from rlrun_runtime.trainer import ROOT_ONLY
 
     if "n" in flags and "r" in flags:
         raise ValueError(f"case {case!r}: n (no FSDP2) and r (root-only FSDP2) exclude each other")
     wrap: bool | str = False if "n" in flags else ROOT_ONLY if "r" in flags else True
+    if "w" in flags and ("c" not in flags or not ("r" in flags or "n" in flags)):
+        raise ValueError(f"case {case!r}: w (the decoder stack as one graph) needs c (compiled) and r or n (no "
+                         "FSDP2 unit per layer, whose hooks would break the graph)")
     if "a" in flags and "s" in flags:
         raise ValueError(f"case {case!r}: a (every layer) and s (every second layer) exclude each other")
     checkpoint: bool | str = "selective" if "s" in flags else "a" in flags
-    return {"layout": layout, "compile": "c" in flags, "checkpoint": checkpoint, "wrap_fsdp": wrap,
+    return {"layout": layout, "compile": "c" in flags, "compile_scope": "stack" if "w" in flags else "layer",
+            "checkpoint": checkpoint, "wrap_fsdp": wrap,
             "keep_gathered": False if "g" in flags else None, "keep_logits": "k" not in flags,
             "flash": "f" not in flags, "kernels": "e" not in flags, "fold_clip": "p" not in flags,
             "lora_rank": 16 if prefix == "lora" else 0, "quantization": "fp8" if prefix == "fp8" else "none"}
@@ -218,7 +231,8 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
               profile: bool = False, wrap_fsdp: bool | str = True, lora_rank: int = 0,
               quantization: str = "none", keep_gathered: bool | None = None,
               keep_logits: bool = True, cp: int = 1, ep: int = 1, checkpoint_interval: int = 2,
-              flash: bool = True, kernels: bool = True, fold_clip: bool = True) -> dict[str, Any]:
+              flash: bool = True, kernels: bool = True, fold_clip: bool = True,
+              compile_scope: str = "layer") -> dict[str, Any]:
     """rlrun's ``Trainer`` (FSDP2 at world size 1 unless ``wrap_fsdp`` is False, fp32 master weights, bf16
     compute on GPU) on ``samples``, with LoRA of ``lora_rank`` on :data:`LORA_TARGETS` (alpha 2 x rank) or
     ``quantization`` fp8; ``keep_logits`` False: the LM head recomputes its logits in the backward; ``cp``: the
@@ -226,6 +240,7 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
     ``checkpoint_interval``: the selective checkpointing's ``layerInterval`` (every n-th layer); ``flash`` False:
     FlexAttention for the packed rows even where varlen FlashAttention could run; ``kernels`` False: the LM head
     without its Triton kernels; ``fold_clip`` False: the gradients clipped in place before fused AdamW;
+    ``compile_scope``: ``"stack"`` compiles the decoder stack as one graph (``shard_model``);
     ``profile``: one more step under torch.profiler, its GPU time by kernel printed (:func:`print_profile`)."""
     from rlrun_api.views import TrainerView
     from rlrun_runtime.storage import RunStorage
@@ -245,7 +260,8 @@ def run_rlrun(model_dir: Path, samples: list[dict[str, Any]], budget: int, compi
         trainer = Trainer(cfg, RunStorage(storage_dir), str(model_dir), dist.get_rank(), dist.get_world_size(),
                           device, compile_layers=compile_layers,
                           checkpoint_layers=None if checkpoint_layers == "selective" else checkpoint_layers,
-                          wrap_fsdp=wrap_fsdp, keep_gathered=keep_gathered, flash=flash)
+                          wrap_fsdp=wrap_fsdp, keep_gathered=keep_gathered, flash=flash,
+                          compile_scope=compile_scope, fused_optimizer=True)  # the GPU's AdamW, also on CPU
         if not keep_logits or not kernels:
             from rlrun_runtime.logprobs import LogprobHead
 
@@ -412,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
                                     lora_rank=spec["lora_rank"], quantization=spec["quantization"],
                                     keep_gathered=spec["keep_gathered"], keep_logits=spec["keep_logits"],
                                     cp=args.cp, ep=args.ep, checkpoint_interval=args.checkpoint_interval,
-                                    flash=spec["flash"], kernels=spec["kernels"], fold_clip=spec["fold_clip"])
+                                    flash=spec["flash"], kernels=spec["kernels"], fold_clip=spec["fold_clip"],
+                                    compile_scope=spec["compile_scope"])
                     seq_len = round(sum(lengths) / len(lengths))
                     out["mean_doc_len"] = seq_len
                 out["tokens_per_s"] = out["tokens"] / out["step_s"]

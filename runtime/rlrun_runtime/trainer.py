@@ -450,12 +450,13 @@ def get_attn_note(attn: str, cfg: TrainerView, device: torch.device, dtype: torc
     return f"attention {attn} (varlen FlashAttention not used: {why})"
 
 
+COMPILE_SCOPES = ("layer", "stack")  # shard_model's compile_scope values: each decoder layer, or the whole stack
 ROOT_ONLY = "root-only"  # shard_model's wrap_fsdp value for one FSDP unit, the root (world size 1; benchmark)
 
 
 def build_model(model_path: str, cfg: TrainerView, device: torch.device, revision: str | None,
                 compile_layers: bool | None = None, checkpoint_layers: bool | None = None,
-                wrap_fsdp: bool | str = True, flash: bool = True) -> Any:
+                wrap_fsdp: bool | str = True, flash: bool = True, compile_scope: str = "layer") -> Any:
     """Load the HF causal LM in float32 (master weights) and shard it with FSDP2.
 
     A mixture-of-experts model (Qwen3-MoE) runs its experts through grouped GEMM and trains without the
@@ -501,7 +502,7 @@ def build_model(model_path: str, cfg: TrainerView, device: torch.device, revisio
                               "trainer with torch >= 2.10 (grouped GEMM on CPU and on CUDA compute capability "
                               ">= 8.0)") from None
     return shard_model(model, cfg, device, compile_layers, checkpoint_layers, wrap_fsdp=wrap_fsdp,
-                       base_name=model_path)
+                       base_name=model_path, compile_scope=compile_scope)
 
 
 def get_checkpointed_layers(mode: str, interval: int, num_layers: int) -> list[int]:
@@ -520,22 +521,31 @@ def get_checkpointed_layers(mode: str, interval: int, num_layers: int) -> list[i
 
 
 def shard_model(model: Any, cfg: TrainerView, device: torch.device, compile_layers: bool | None = None,
-                checkpoint_layers: bool | None = None, wrap_fsdp: bool | str = True, base_name: str = "") -> Any:
+                checkpoint_layers: bool | None = None, wrap_fsdp: bool | str = True, base_name: str = "",
+                compile_scope: str = "layer") -> Any:
     """The part of :func:`build_model` after loading: device, LogprobHead, LoRA adapters (``cfg.lora_rank``
     > 0: :func:`rlrun_runtime.lora.apply_lora`, only the adapters train), float8 linear layers (``cfg.quantization``
     fp8: :func:`rlrun_runtime.fp8.apply_fp8`), per-layer compile and activation checkpointing (the spec's, or
     ``compile_layers`` / ``checkpoint_layers`` when not None), FSDP2 (parameters stay gathered between forward
     and backward at world size 1, where resharding would only copy them again).
 
+    ``compile_scope`` (with compiling on): ``"layer"`` compiles each decoder layer's forward, ``"stack"`` the
+    decoder stack's (the module holding the layers: one graph over every layer, with their activation
+    checkpointing inside it), which needs ``wrap_fsdp`` ROOT_ONLY or False; the benchmark's comparison of host
+    time.
     ``wrap_fsdp=ROOT_ONLY`` (world size 1 only) makes the root the one FSDP unit (the benchmark's comparison).
     ``wrap_fsdp=False`` (world size 1 only) leaves the model unwrapped: float32 parameters with the forward
     under ``torch.autocast`` in the compute dtype (the Trainer enters it); the benchmark compares the two.
 
     Raises:
         RoleConfigError: as :func:`rlrun_runtime.lora.apply_lora` and :func:`rlrun_runtime.fp8.check_quantization`.
-        ValueError: ``wrap_fsdp=False`` with more than one rank.
+        ValueError: ``wrap_fsdp=False`` with more than one rank; ``compile_scope`` not one of
+            :data:`COMPILE_SCOPES`, or ``"stack"`` with an FSDP unit per layer.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if compile_scope not in COMPILE_SCOPES:
+        raise ValueError(f"compile_scope={compile_scope!r}: use one of {', '.join(COMPILE_SCOPES)}")
 
     from .fp8 import apply_fp8, check_quantization
 
@@ -573,6 +583,11 @@ def shard_model(model: Any, cfg: TrainerView, device: torch.device, compile_laye
         raise ValueError(f"wrap_fsdp={wrap_fsdp!r}: use True, False or {ROOT_ONLY!r}")
     if (not wrap_fsdp or wrap_fsdp == ROOT_ONLY) and world > 1:
         raise ValueError(f"wrap_fsdp={wrap_fsdp!r} needs a world of one, not {world} ranks")
+    if compile_layers and compile_scope == "stack" and wrap_fsdp is True:
+        # FSDP2 runs each unit's hooks outside dynamo (torch._dynamo.disable): the stack's graph would break at
+        # every layer and the layers would run eager
+        raise ValueError("compile_scope='stack' needs the decoder layers outside FSDP units of their own: "
+                         f"wrap_fsdp={ROOT_ONLY!r} or False (world size 1)")
     reshard = world > 1 if dist.is_initialized() else True
     mesh, experts = None, set()
     if cfg.ep > 1:  # each rank holds 1/ep of every experts module, kept out of FSDP2 (expert_parallel.py)
@@ -592,12 +607,15 @@ def shard_model(model: Any, cfg: TrainerView, device: torch.device, compile_laye
     # (H200, 0.6B shape, 5 processes each: median 84.4k against 86.8k tokens/s; benchmarks/README.md).
     per_layer = wrap_fsdp != ROOT_ONLY
     for i, layer in enumerate(layers):
-        if compile_layers:
+        if compile_layers and compile_scope == "layer":
             layer.forward = torch.compile(layer.forward, dynamic=False)
         if i in checkpointed:
             layer.forward = _checkpointed(layer.forward)
         if wrap_fsdp and per_layer:
             fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard, **shard_kwargs)
+    if compile_layers and compile_scope == "stack" and layers:
+        stack = model.model  # the module whose layers these are
+        stack.forward = torch.compile(stack.forward, dynamic=False)
     if wrap_fsdp:
         fully_shard(model, mp_policy=policy, reshard_after_forward=reshard, **shard_kwargs)
     model.train()
@@ -623,18 +641,19 @@ class Trainer:
     :class:`rlrun_runtime.gathered_params.GatheredParams`; False: FSDP2 gathers them in every forward) are for
     the benchmark (:func:`shard_model`). ``fused_optimizer`` (None: on CUDA) picks torch's fused AdamW, which
     also applies the gradient clipping (:attr:`fold_clip`, its ``grad_scale``) instead of a pass of its own.
+    ``compile_scope``: :func:`shard_model`'s (the benchmark's).
     """
 
     def __init__(self, cfg: TrainerView, storage: RunStorage, model_path: str, rank: int, world: int,
                  device: torch.device, compile_layers: bool | None = None, checkpoint_layers: bool | None = None,
                  wrap_fsdp: bool | str = True, keep_gathered: bool | None = None, flash: bool = True,
-                 fused_optimizer: bool | None = None):
+                 fused_optimizer: bool | None = None, compile_scope: str = "layer"):
         self.cfg = cfg
         self.storage, self.rank, self.world, self.device = storage, rank, world, device
         self.transport = get_transport(self.cfg.weight_transport, storage)
         self.revision = self.cfg.model_revision
         self.model = build_model(model_path, self.cfg, device, self.revision, compile_layers, checkpoint_layers,
-                                 wrap_fsdp, flash)
+                                 wrap_fsdp, flash, compile_scope)
         if self.cfg.cp > 1:  # the ranks of a context-parallel group gather each other's keys and values
             from torch.distributed.device_mesh import init_device_mesh
 

@@ -414,6 +414,40 @@ def test_compiled_and_eager_layers_agree_on_the_same_weights(tmp_path, world_of_
     assert min(abs(c[0] - e[0]) for c, e in zip(control[1:], eager[1:])) > 0.05
 
 
+@pytest.mark.timeout(600)
+def test_the_decoder_stack_compiled_as_one_graph_agrees_with_compiled_layers(tmp_path, world_of_one):
+    """compile_scope='stack' (one graph over every decoder layer, with the layers' selective activation
+    checkpointing inside it) under FSDP2's root-only unit, against the default (a graph per layer, an FSDP2 unit
+    per layer), from the same weights: step 1's loss and grad norm to float32 rounding, steps 2-3 as
+    test_compiled_and_eager_layers_agree_on_the_same_weights bounds them; dynamo traced the stack whole (no graph
+    break, every layer in it). With an FSDP2 unit per layer the scope is refused by name: its hooks would break the
+    graph at every layer and the layers would run eager."""
+    from torch._dynamo.utils import counters
+
+    from rlrun_runtime.trainer import ROOT_ONLY
+
+    model_dir = save_model_dir(tmp_path / "model", seed=11)
+    batch = {"samples": _samples(2)}
+    checkpointed = {"compile": True, "activationCheckpointing": {"mode": "selective", "layerInterval": 1}}
+    layers = _trainer(tmp_path, model_dir, world_of_one, checkpointed, storage="layers")
+    per_layer = [layers.train_step(step, batch)[:3] for step in (1, 2, 3)]
+    counters.clear()
+    stack = _trainer(tmp_path, model_dir, world_of_one, checkpointed, storage="stack", wrap_fsdp=ROOT_ONLY,
+                     compile_scope="stack")
+    whole = [stack.train_step(step, batch)[:3] for step in (1, 2, 3)]
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    num_layers = len(stack.model.model.layers)
+    assert num_layers >= 2 and counters["stats"]["unique_graphs"] <= 3  # the stack, the head's chunk arithmetic
+    assert whole[0][0] == pytest.approx(per_layer[0][0], abs=1e-6)
+    assert whole[0][2] == pytest.approx(per_layer[0][2], rel=1e-5)
+    for (loss, _, grad), (ref_loss, _, ref_grad) in zip(whole[1:], per_layer[1:]):
+        assert loss == pytest.approx(ref_loss, abs=1e-4) and grad == pytest.approx(ref_grad, rel=1e-3)
+    with pytest.raises(ValueError, match="compile_scope='stack' needs the decoder layers outside FSDP units"):
+        _trainer(tmp_path, model_dir, world_of_one, {"compile": True}, storage="refused", compile_scope="stack")
+    with pytest.raises(ValueError, match="compile_scope='graph': use one of layer, stack"):
+        _trainer(tmp_path, model_dir, world_of_one, {"compile": True}, storage="unknown", compile_scope="graph")
+
+
 @pytest.mark.timeout(300)
 def test_a_checkpoint_with_another_optimizer_group_count_is_refused_by_name(tmp_path, world_of_one):
     """Expert-parallel replicas give the experts a param group of their own, and DCP matches groups by position:
