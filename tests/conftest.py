@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from example_runs import ROOT, load_example
@@ -29,3 +31,5 @@ def world_of_one(monkeypatch):
     _, _, device = init_distributed(False)
     yield device
     dist.destroy_process_group()
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # init_distributed set them:
+        os.environ.pop(key, None)  # a later subprocess would join this finished world's port

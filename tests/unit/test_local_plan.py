@@ -219,3 +219,35 @@ def test_plan_resolves_kubelet_env_sources(tmp_path):
                        "--peer", f"{LOCAL_HOST}:{first_pod_port}")
     assert plan.files[tmp_path / "config" / "conf.txt"] == "a=1"
     assert any("secretKeyRef" in w and "w-0, w-1" in w for w in plan.warnings)
+
+
+def test_free_ports_sit_below_the_kernels_ephemeral_range_are_free_and_never_repeat(tmp_path):
+    """rlrun local's ports come from below the kernel's ephemeral range (which port-0 binds and outgoing
+    connections draw from, so a role starting minutes later still finds its port), each free when given, each
+    once; a port another program holds is skipped; the range file is read, with Linux's default without it."""
+    import random
+    import socket
+
+    from rlrun_runtime.local import DEFAULT_EPHEMERAL_RANGE, FIXED_PORTS_LOW, FreePorts, get_ephemeral_range
+
+    first, last = get_ephemeral_range()
+    assert FIXED_PORTS_LOW + 1000 <= first <= last
+    ports = FreePorts()
+    given = [ports() for _ in range(200)]
+    assert len(set(given)) == 200 and all(FIXED_PORTS_LOW <= p < first for p in given)
+    with socket.socket() as held:  # a listener on one candidate: the allocator moves on to the next
+        held.bind((LOCAL_HOST, given[0]))
+        held.listen()
+
+        class Candidates(random.Random):
+            def randrange(self, *args):
+                return self.queue.pop(0)
+
+        rng = Candidates()
+        rng.queue = [given[0], given[1]]
+        assert FreePorts(rng=rng)() == given[1]
+    (tmp_path / "range").write_text("40000\t50000\n")
+    assert get_ephemeral_range(tmp_path / "range") == (40000, 50000)
+    assert get_ephemeral_range(tmp_path / "missing") == DEFAULT_EPHEMERAL_RANGE
+    kernel = FreePorts(ephemeral=(FIXED_PORTS_LOW + 10, 60999))  # no room below: the kernel's own free ports
+    assert kernel.span is None and kernel() >= FIXED_PORTS_LOW + 10

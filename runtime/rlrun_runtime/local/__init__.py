@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -211,20 +212,49 @@ def get_base_env(environ: Mapping[str, str], bin_dir: Path) -> dict[str, str]:
     return env
 
 
-class FreePorts:
-    """Port allocator for ``get_local_plan``: free loopback ports from the kernel, never the same twice.
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+DEFAULT_EPHEMERAL_RANGE = (32768, 60999)  # Linux's default ip_local_port_range, when the file cannot be read
+FIXED_PORTS_LOW = 10000  # FreePorts' lowest port (below: many well-known services' ports)
 
-    Each call binds 127.0.0.1:0, reads the port and closes the socket; a port could in principle be taken
-    by another program before the role binds it (the role then fails to start and the run stops).
+
+def get_ephemeral_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """The kernel's ephemeral port range (first, last), from which it picks every port-0 bind and outgoing
+    connection's port; Linux's default when ``path`` cannot be read (another OS)."""
+    try:
+        first, last = (int(part) for part in path.read_text().split())
+    except (OSError, ValueError):
+        return DEFAULT_EPHEMERAL_RANGE
+    return first, last
+
+
+class FreePorts:
+    """Port allocator for ``get_local_plan``: free loopback ports below the kernel's ephemeral range, never the
+    same twice.
+
+    The kernel gives ports of its ephemeral range to every port-0 bind and outgoing connection, so a port taken
+    from there at plan time can be handed to another process before the role binds it; a server that joins minutes
+    later (autoscaling) lost its router's port that way ("Address already in use"). A port below the range is only
+    ever taken by a program that names it. Each port is checked free by a bind when given out. ``rng`` picks the
+    candidates (``random.Random()``); ``ephemeral`` overrides :func:`get_ephemeral_range`. Where the range leaves
+    fewer than 1000 ports above :data:`FIXED_PORTS_LOW`, the kernel's own free ports are given instead.
+
+    Raises (on call):
+        RuntimeError: no free port in 200 tries.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rng: random.Random | None = None, ephemeral: tuple[int, int] | None = None) -> None:
         self.given: set[int] = set()
+        self.rng = rng or random.Random()
+        first = (ephemeral or get_ephemeral_range())[0]
+        self.span = (FIXED_PORTS_LOW, first) if first - FIXED_PORTS_LOW >= 1000 else None
 
     def __call__(self) -> int:
-        for _ in range(100):
+        for _ in range(200):
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((LOCAL_HOST, 0))
+                try:
+                    sock.bind((LOCAL_HOST, self.rng.randrange(*self.span) if self.span else 0))
+                except OSError:  # taken now
+                    continue
                 port = sock.getsockname()[1]
             if port not in self.given:
                 self.given.add(port)
