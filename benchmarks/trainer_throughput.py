@@ -14,8 +14,8 @@ Printed per case: tokens/s (real tokens), MFU = tokens/s x (6 N + 6 L H D S) / p
 parameters, for a MoE model the ACTIVE ones (experts counted top_k / num_experts), L layers, H heads, D head
 dim, S the DOCUMENT length, peak 989 TFLOP/s dense bf16), step time, peak GPU memory, and the ratios to the
 compiled and the eager baseline. ``--json PATH`` writes every figure.
-rlrun cases are ``[lora-|fp8-]<layout>[c][w][a|s][n|r][g][k][f][e][p][#k]``: layout packed16, var16, packed64, split64 (64
-documents in four micro-batches of 16) or single64; prefix
+rlrun cases are ``[lora-|fp8-]<layout>[c][w][a|s][n|r][g][k][f][e][p][#k]``: layout packed16, var16, packed64,
+split64 (64 documents in four micro-batches of 16) or single64; prefix
 ``lora-`` LoRA rank 16 (alpha 32) on q/k/v/o_proj, ``fp8-`` torchao float8 matmuls; suffix ``c`` compiled
 decoder layers (and head), ``w`` with ``c`` and ``r`` or ``n``: the decoder stack compiled as one graph instead of
 a graph per layer (``shard_model``'s ``compile_scope="stack"``), ``a`` activation checkpointing of every layer, ``s`` of every second layer (the spec's

@@ -68,8 +68,8 @@ class GatheredParams:
             current = module._parameters.get(name)
             if current is not None and current is not sharded:  # FSDP2 swapped in the gathered copy
                 dst.append(current)
-                # the local tensor itself: to_local runs an autograd function per call (310 calls took 3 ms of
-                # host time on a GPU host), even under no_grad
+                # the local tensor itself: torch 2.13's to_local makes a view per call even under no_grad
+                # (310 calls: 0.33 against 0.01 ms, 2-core CPU)
                 src.append(getattr(sharded, "_local_tensor", sharded))
         if dst:
             torch._foreach_copy_(dst, src)

@@ -2,8 +2,9 @@
 
 AdamW is elementwise, so on tensors that share one sharding (a parameter, its gradient and its two moments) the
 update of each rank's local shard is the update of the whole tensor. Through DTensor the one fused kernel call
-costs host time: its dispatch unwraps and checks about 1,250 DTensors a step on the Qwen3-0.6B shape (9.8
-against 1.9 ms for plain tensors on a 2-core CPU, benchmarks/README.md), time in which a host-bound GPU step idles.
+costs host time: its dispatch unwraps and checks every DTensor of the step (about 1,250 for Qwen3-0.6B's 310
+parameters: 8.8 ms through DTensor against 2.1 ms on the local tensors, 2-core CPU, benchmarks/README.md), time in
+which a host-bound GPU step idles.
 """
 
 from __future__ import annotations
@@ -16,19 +17,23 @@ from torch.optim.adamw import adamw
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (without ``to_local``'s autograd function); any other tensor as it is."""
+    """A DTensor's local tensor (read directly, without ``to_local``'s checks); any other tensor as it is."""
     return getattr(tensor, "_local_tensor", tensor)
 
 
 class ShardLocalAdamW(torch.optim.AdamW):
-    """``torch.optim.AdamW`` (the same arguments, update, state and state dict, so checkpoints do not change)
+    """``torch.optim.AdamW`` (the same constructor, update, state and state dict, so checkpoints do not change)
     whose :meth:`step` passes the local tensors of DTensor parameters, gradients, moments and ``grad_scale`` to
-    torch's functional ``adamw``.
+    torch's functional ``adamw``, the function torch's own step calls with the same lists.
 
     A step falls back to torch's own (over the DTensors) when it is given a closure, when a parameter has no
-    state yet (torch initialises it: the first step, and after a state dict without it), or when a gradient or a
-    moment is sharded unlike its parameter (a ``Partial`` gradient, say), where local shards would not line up.
-    ``grad_scale`` (the attribute fused AdamW reads, as torch's) divides every gradient, fused only as in torch.
+    state yet (torch initialises it: the first step, and after a state dict without it), when a param group is
+    ``differentiable``, or when a gradient or a moment is not sharded like its parameter (a plain tensor, a
+    ``Partial`` gradient), where local shards would not line up. The local path leaves out the per-step checks
+    of torch's step that the trainer never needs (sparse gradients, CUDA-graph capture health); on a fallback
+    step the step hooks and the profiler range run twice when a plain ``torch.optim.AdamW`` exists in the same
+    process (torch wraps each class's ``step``). ``grad_scale`` (the attribute fused AdamW reads, as torch's)
+    divides every gradient, fused only, as in torch.
     """
 
     @torch.no_grad()
@@ -44,7 +49,7 @@ class ShardLocalAdamW(torch.optim.AdamW):
                 continue
             beta1, beta2 = group["betas"]
             adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, foreach=group["foreach"],
-                  capturable=group["capturable"], differentiable=group["differentiable"], fused=group["fused"],
+                  capturable=group["capturable"], differentiable=False, fused=group["fused"],
                   grad_scale=None if grad_scale is None else _local(grad_scale),
                   found_inf=None if found_inf is None else _local(found_inf),
                   has_complex=any(p.is_complex() for p in params), amsgrad=group["amsgrad"], beta1=beta1,
@@ -58,6 +63,8 @@ class ShardLocalAdamW(torch.optim.AdamW):
         plans = []
         states = self.state
         for group in self.param_groups:
+            if group["differentiable"]:
+                return None
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = lists = ([], [], [], [], [], [])
             amsgrad = group["amsgrad"]
             for p in group["params"]:
@@ -68,21 +75,29 @@ class ShardLocalAdamW(torch.optim.AdamW):
                 if not state:
                     return None
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                max_sq = state["max_exp_avg_sq"] if amsgrad else exp_avg
                 if isinstance(p, DTensor):
                     placements = p.placements
-                    if not (grad.placements == exp_avg.placements == exp_avg_sq.placements == placements):
+                    # a plain tensor among them has no placements: None differs from every DTensor's
+                    if not (getattr(grad, "placements", None) == getattr(exp_avg, "placements", None)
+                            == getattr(exp_avg_sq, "placements", None) == getattr(max_sq, "placements", None)
+                            == placements):
                         return None
                     params.append(p._local_tensor)
                     grads.append(grad._local_tensor)
                     exp_avgs.append(exp_avg._local_tensor)
                     exp_avg_sqs.append(exp_avg_sq._local_tensor)
+                    if amsgrad:
+                        max_exp_avg_sqs.append(max_sq._local_tensor)
                 else:
+                    if any(isinstance(t, DTensor) for t in (grad, exp_avg, exp_avg_sq, max_sq)):
+                        return None
                     params.append(p)
                     grads.append(grad)
                     exp_avgs.append(exp_avg)
                     exp_avg_sqs.append(exp_avg_sq)
-                if amsgrad:
-                    max_exp_avg_sqs.append(_local(state["max_exp_avg_sq"]))
-                steps.append(state["step"])
+                    if amsgrad:
+                        max_exp_avg_sqs.append(max_sq)
+                steps.append(_local(state["step"]))
             plans.append(lists)
         return plans

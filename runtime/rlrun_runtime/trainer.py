@@ -681,7 +681,7 @@ class Trainer:
         self.params_by_mesh = get_param_groups_by_mesh(self.params)
         groups = self.params if len(self.params_by_mesh) == 1 else [{"params": g} for g in self.params_by_mesh]
         self.expert_replicas = get_expert_replicas(self.model)  # (group, params) with expert-parallel replicas
-        # Fused AdamW on CUDA (one kernel per param group); the default foreach implementation on CPU.
+        # Fused AdamW on CUDA (one kernel per param group); torch's default on CPU (its single-tensor loop).
         fused = device.type == "cuda" if fused_optimizer is None else fused_optimizer
         # torch's AdamW on the local tensors of FSDP2's DTensor parameters (rlrun_runtime.optimizer: the same
         # update and state, without DTensor's per-step dispatch)

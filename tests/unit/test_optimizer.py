@@ -3,6 +3,8 @@ dict bit for bit, and torch's own step wherever local shards would not line up."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -106,6 +108,9 @@ def test_torch_steps_where_a_gradient_is_sharded_unlike_its_parameter(world_of_o
     odd = params[0].grad
     params[0].grad = DTensor.from_local(odd.full_tensor(), odd.device_mesh, [Replicate()], run_check=False)
     assert optimizer._plan_local() is None
+    params[0].grad = odd.full_tensor()  # a plain tensor where a DTensor belongs: no placements, the same fallback
+    assert optimizer._plan_local() is None
+    params[0].grad = DTensor.from_local(odd.full_tensor(), odd.device_mesh, [Replicate()], run_check=False)
     torch_steps = []
     original = torch.optim.AdamW.step
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a: torch_steps.append(1) or original(self, *a))
@@ -115,7 +120,9 @@ def test_torch_steps_where_a_gradient_is_sharded_unlike_its_parameter(world_of_o
     assert optimizer._plan_local() is not None
 
 
-def test_a_closure_runs_torch_step_and_returns_its_loss(world_of_one):
+def test_a_closure_runs_torch_step_and_returns_its_loss(world_of_one, monkeypatch):
+    """A closure is torch's business (it may re-run the forward): after a first step has set up the state, a step
+    with a closure still runs torch's own step and returns the closure's loss, taken before the update."""
     from rlrun_runtime.optimizer import ShardLocalAdamW
 
     model = _model()
@@ -127,8 +134,67 @@ def test_a_closure_runs_torch_step_and_returns_its_loss(world_of_one):
         loss.backward()
         return loss
 
+    closure()
+    optimizer.step()  # torch's: the state is set up
+    torch_steps = []
+    original = torch.optim.AdamW.step
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a: torch_steps.append(1) or original(self, *a))
     with torch.no_grad():
         before = float(model(torch.ones(2, 8)).sum())
     assert float(optimizer.step(closure).detach()) == before  # the closure's loss, before the update
+    assert torch_steps == [1]
     with torch.no_grad():
         assert float(model(torch.ones(2, 8)).sum()) != before  # and the update happened
+
+
+TWO_RANKS = r'''
+import sys
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from rlrun_runtime.optimizer import ShardLocalAdamW
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+out = {}
+for name, cls in (("torch", torch.optim.AdamW), ("local", ShardLocalAdamW)):
+    torch.manual_seed(0)
+    # dim 0 of 5 splits 3 + 2 over two ranks, dim 0 of 1 leaves rank 1 an empty shard
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 1))
+    fully_shard(model[0])
+    fully_shard(model)
+    optimizer = cls(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(4):
+        gen = torch.Generator().manual_seed(10 * step + rank)  # each rank its own data: reduced gradients
+        model(torch.randn(4, 3, generator=gen)).pow(2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    shards = [tuple(p._local_tensor.shape) for p in model.parameters()]
+    out[name] = ([p.full_tensor().clone() for p in model.parameters()], shards,
+                 [s["exp_avg_sq"].full_tensor().clone() for s in optimizer.state.values()])
+if rank == 1:
+    torch.save(out, sys.argv[1])
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_with_uneven_and_empty_shards_update_like_torch(tmp_path):
+    """Two gloo ranks (torchrun), FSDP2 shards of 3 + 2 rows and of 1 + 0: the same weights and moments as
+    torch's AdamW bit for bit, on every rank's shard (rank 1's results checked, the one with the empty shard)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    out = tmp_path / "out.pt"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), str(out)], capture_output=True, text=True, timeout=200, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = torch.load(out)
+    (ref_weights, shards, ref_sqs), (weights, local_shards, sqs) = result["torch"], result["local"]
+    assert shards == local_shards and (2, 3) in shards and (0, 5) in shards  # uneven and empty shards on rank 1
+    assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights))
+    assert all(torch.equal(a, b) for a, b in zip(sqs, ref_sqs))
