@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from example_runs import ROOT, load_example
+from torchrun_env import clear_torchrun_env
 
 # ROOT stays importable from here for tests/unit/test_bad_input.py; new code imports it from example_runs.
 __all__ = ["ROOT", "tiny_example"]
@@ -26,10 +25,7 @@ def world_of_one(monkeypatch):
 
     from rlrun_runtime.trainer import init_distributed
 
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    _, _, device = init_distributed(False)
+    clear_torchrun_env(monkeypatch)  # and what init_distributed sets is removed afterwards: a later subprocess
+    _, _, device = init_distributed(False)  # would join this finished world's port
     yield device
     dist.destroy_process_group()
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # init_distributed set them:
-        os.environ.pop(key, None)  # a later subprocess would join this finished world's port

@@ -3,8 +3,8 @@
 AdamW is elementwise, so on tensors that share one sharding (a parameter, its gradient and its two moments) the
 update of each rank's local shard is the update of the whole tensor. Through DTensor the one fused kernel call
 costs host time: its dispatch unwraps and checks every DTensor of the step (about 1,250 for Qwen3-0.6B's 310
-parameters: 8.8 ms through DTensor against 2.1 ms on the local tensors, 2-core CPU, benchmarks/README.md), time in
-which a host-bound GPU step idles.
+parameters: 8.8 ms through DTensor against 2.1-2.2 ms on the local tensors, 2-core CPU, benchmarks/README.md),
+time in which a host-bound GPU step idles.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ class ShardLocalAdamW(torch.optim.AdamW):
     A step falls back to torch's own (over the DTensors) when it is given a closure, when a parameter has no
     state yet (torch initialises it: the first step, and after a state dict without it), when a param group is
     ``differentiable``, or when a gradient or a moment is not sharded like its parameter (a plain tensor, a
-    ``Partial`` gradient), where local shards would not line up. The local path leaves out the per-step checks
-    of torch's step that the trainer never needs (sparse gradients, CUDA-graph capture health); on a fallback
-    step the step hooks and the profiler range run twice when a plain ``torch.optim.AdamW`` exists in the same
-    process (torch wraps each class's ``step``). ``grad_scale`` (the attribute fused AdamW reads, as torch's)
-    divides every gradient, fused only, as in torch.
+    ``Partial`` gradient), where local shards would not line up, or when ``grad_scale`` is a DTensor that is not
+    replicated. The local path leaves out the per-step checks of torch's step that the trainer never needs
+    (sparse gradients, CUDA-graph capture health). On a fallback step the step hooks and the profiler range run
+    twice once any ``torch.optim.Adam`` or ``AdamW`` has been built in the process (torch wraps each class's
+    ``step`` for good). ``grad_scale`` (the attribute fused AdamW reads, as torch's) divides every gradient,
+    fused only, as in torch.
     """
 
     @torch.no_grad()
@@ -60,6 +61,9 @@ class ShardLocalAdamW(torch.optim.AdamW):
     def _plan_local(self) -> list[tuple[list[torch.Tensor], ...]] | None:
         """Per param group, the local (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) lists of
         the parameters with a gradient; None when torch's own step must run (see the class docstring)."""
+        for extra in (getattr(self, "grad_scale", None), getattr(self, "found_inf", None)):
+            if isinstance(extra, DTensor) and not all(p.is_replicate() for p in extra.placements):
+                return None  # its local tensor is not the whole value
         plans = []
         states = self.state
         for group in self.param_groups:

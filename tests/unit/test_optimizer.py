@@ -3,8 +3,6 @@ dict bit for bit, and torch's own step wherever local shards would not line up."
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -118,6 +116,17 @@ def test_torch_steps_where_a_gradient_is_sharded_unlike_its_parameter(world_of_o
     assert torch_steps == [1]
     params[0].grad = odd
     assert optimizer._plan_local() is not None
+    optimizer.grad_scale = torch.tensor(2.0)  # a plain tensor is the whole value: the local path takes it
+    assert optimizer._plan_local() is not None
+    from torch.distributed.tensor import Partial
+
+    # a DTensor grad_scale that is not replicated: its local tensor is not the whole value (torch's step
+    # redistributes it)
+    optimizer.grad_scale = DTensor.from_local(torch.tensor(2.0), odd.device_mesh, [Partial()], run_check=False)
+    assert optimizer._plan_local() is None
+    optimizer.grad_scale = None
+    optimizer.param_groups[0]["differentiable"] = True  # torch's own step handles differentiable groups
+    assert optimizer._plan_local() is None
 
 
 def test_a_closure_runs_torch_step_and_returns_its_loss(world_of_one, monkeypatch):
@@ -157,6 +166,9 @@ from rlrun_runtime.optimizer import ShardLocalAdamW
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 out = {}
+torch_steps = []
+original = torch.optim.AdamW.step
+torch.optim.AdamW.step = lambda self, *a: torch_steps.append(type(self).__name__) or original(self, *a)
 for name, cls in (("torch", torch.optim.AdamW), ("local", ShardLocalAdamW)):
     torch.manual_seed(0)
     # dim 0 of 5 splits 3 + 2 over two ranks, dim 0 of 1 leaves rank 1 an empty shard
@@ -172,6 +184,7 @@ for name, cls in (("torch", torch.optim.AdamW), ("local", ShardLocalAdamW)):
     shards = [tuple(p._local_tensor.shape) for p in model.parameters()]
     out[name] = ([p.full_tensor().clone() for p in model.parameters()], shards,
                  [s["exp_avg_sq"].full_tensor().clone() for s in optimizer.state.values()])
+out["torch_steps"] = torch_steps
 if rank == 1:
     torch.save(out, sys.argv[1])
 dist.destroy_process_group()
@@ -188,8 +201,9 @@ def test_two_ranks_with_uneven_and_empty_shards_update_like_torch(tmp_path):
     script = tmp_path / "two_ranks.py"
     script.write_text(TWO_RANKS)
     out = tmp_path / "out.pt"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    from torchrun_env import get_env_without_torchrun
+
+    env = get_env_without_torchrun()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script), str(out)], capture_output=True, text=True, timeout=200, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -198,3 +212,5 @@ def test_two_ranks_with_uneven_and_empty_shards_update_like_torch(tmp_path):
     assert shards == local_shards and (2, 3) in shards and (0, 5) in shards  # uneven and empty shards on rank 1
     assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights))
     assert all(torch.equal(a, b) for a, b in zip(sqs, ref_sqs))
+    # torch's step: all 4 of AdamW's, 1 of ShardLocalAdamW's (the state set-up); its other 3 on the local shards
+    assert result["torch_steps"] == ["AdamW"] * 4 + ["ShardLocalAdamW"]

@@ -268,9 +268,9 @@ def test_fused_adamw_folds_the_clip_into_its_update_and_changes_no_number(tmp_pa
         initial = _full(tr.model)
         torch_steps = []  # torch's own AdamW step: only step 1's (state set-up), the rest on the local shards
         original = torch.optim.AdamW.step
-        monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a: torch_steps.append(1) or original(self, *a))
-        results = [tr.train_step(step, batch)[:3] for step in (1, 2, 3)]
-        monkeypatch.undo()
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.optim.AdamW, "step", lambda self, *a: torch_steps.append(1) or original(self, *a))
+            results = [tr.train_step(step, batch)[:3] for step in (1, 2, 3)]
         assert torch_steps == [1]
         if fused:  # the divisor the last step used: the clip bound (grad norm well above 0.05), replicated over
             # FSDP2's mesh (a plain tensor among DTensor parameters costs host time, expert_parallel.get_grad_scale)

@@ -85,8 +85,9 @@ def test_one_step_of_1e_6_changes_the_float32_master_weights_under_bf16_compute(
     from rlrun_runtime.trainer import Trainer, init_distributed
     from tiny_qwen3 import VOCAB, save_model_dir
 
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
+    from torchrun_env import clear_torchrun_env
+
+    clear_torchrun_env(monkeypatch)  # init_distributed's values go again after the test
     model_dir = save_model_dir(tmp_path / "model", seed=4)
     cfg = TrainerView.from_spec(apply_defaults({"spec": {
         "model": {"name": str(model_dir), "dtype": "bfloat16"}, "environment": {"type": "builtin", "name": "x"},

@@ -2,22 +2,16 @@
 the H200 machine; benchmarks/README.md)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from torchrun_env import get_env_without_torchrun
 
 from benchmarks import trainer_throughput as tt
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _clean_env() -> dict[str, str]:
-    """This environment without torchrun's variables (a world of one in this process may have left them)."""
-    return {k: v for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
 
 
 @pytest.mark.parametrize("case, expected", [
@@ -50,7 +44,7 @@ def test_the_host_shape_runs_a_step_on_cpu_with_the_same_loss_in_both_fsdp_layou
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trainer_throughput.py"), "--shape", "host",
                            "--device", "cpu", "--doc-len", "4", "--warmup", "1", "--steps", "2",
                            "--cases", "packed16,packed16r", "--json", str(out)],
-                          capture_output=True, text=True, timeout=280, cwd=ROOT, env=_clean_env())
+                          capture_output=True, text=True, timeout=280, cwd=ROOT, env=get_env_without_torchrun())
     assert proc.returncode == 0, proc.stderr[-3000:]
     cases = json.loads(out.read_text())["cases"]
     for name in ("packed16", "packed16r"):

@@ -233,10 +233,13 @@ class FreePorts:
 
     The kernel gives ports of its ephemeral range to every port-0 bind and outgoing connection, so a port taken
     from there at plan time can be handed to another process before the role binds it; a server that joins minutes
-    later (autoscaling) lost its router's port that way ("Address already in use"). A port below the range is only
-    ever taken by a program that names it. Each port is checked free by a bind when given out. ``rng`` picks the
-    candidates (``random.Random()``); ``ephemeral`` overrides :func:`get_ephemeral_range`. Where the range leaves
-    fewer than 1000 ports above :data:`FIXED_PORTS_LOW`, the kernel's own free ports are given instead.
+    later (autoscaling) lost its router's port that way ("Address already in use"). A port below the range is taken
+    only by a program that picks it itself (a service's fixed port, another ``rlrun local``), so the window in
+    which a role can lose its port shrinks to those; it is not closed (the role then fails to start and the run
+    stops with its name). Each port is checked free when given out, by a bind on every IPv4 address (which a
+    listener on any one address, or on all, refuses). ``rng`` picks the candidates (``random.Random()``);
+    ``ephemeral`` overrides :func:`get_ephemeral_range`. Where the range leaves fewer than 1000 ports above
+    :data:`FIXED_PORTS_LOW`, the kernel's own free ports are given instead.
 
     Raises (on call):
         RuntimeError: no free port in 200 tries.
@@ -252,7 +255,7 @@ class FreePorts:
         for _ in range(200):
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 try:
-                    sock.bind((LOCAL_HOST, self.rng.randrange(*self.span) if self.span else 0))
+                    sock.bind(("0.0.0.0", self.rng.randrange(*self.span) if self.span else 0))
                 except OSError:  # taken now
                     continue
                 port = sock.getsockname()[1]
