@@ -120,7 +120,8 @@ def get_micro_batch_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature
     inputs = get_model_inputs(mb, device, attn)
     head = getattr(model, "lm_head", None)
     if not isinstance(head, LogprobHead):
-        return token_logprobs(model(**inputs).logits, mb.target_ids.to(device), temperature)
+        targets = mb.target_ids.to(device, non_blocking=True)  # before the forward: no sync after it
+        return token_logprobs(model(**inputs).logits, targets, temperature)
     positions = mb.loss_mask.reshape(-1).nonzero().squeeze(1)
     targets = mb.target_ids.reshape(-1).index_select(0, positions)
     positions = positions.to(device, non_blocking=True)
